@@ -1,0 +1,66 @@
+"""The FastAPI application: one per API process, stateless apart from its Redis connections."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from api import errors
+from api.context import ApiContext
+from api.hub import FutureHub
+from api.routes import futures, rest, sampling, session, training
+from api.store import Store
+from twinkle.auth import KeyChecker
+from twinkle.catalog import Catalog
+from twinkle.celery_app import make_celery
+from twinkle.checkpoints import CheckpointStore
+from twinkle.keys import Keys
+
+log = logging.getLogger("twinkle.api")
+DEFAULT_PREFIX = "/api/v1"
+
+
+def api_prefix(config: Any) -> str:
+    server = config.server_app()
+    return (server.route_prefix if server else DEFAULT_PREFIX).rstrip("/") or DEFAULT_PREFIX
+
+
+def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0) -> ApiContext:
+    r = aioredis.Redis.from_url(broker_url, max_connections=512, health_check_interval=25)
+    keys = Keys(config.persistence.key_prefix)
+    server = config.server_app()
+    session_ttl = int(server.args.server_config.expiration_timeout) if server else 86400
+    store = Store(r, keys, make_celery(broker_url), future_ttl=config.storage.future_ttl_seconds,
+                  session_ttl=session_ttl)
+    auth = KeyChecker(set(config.auth.api_keys), config.auth.keys_file)
+    return ApiContext(config=config, store=store, hub=FutureHub(r), catalog=Catalog(config), keys=keys, auth=auth,
+                      checkpoints=CheckpointStore(config.storage.checkpoint_dir),
+                      long_poll_seconds=long_poll_seconds, max_request_bytes=config.storage.max_request_bytes)
+
+
+def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0) -> FastAPI:
+    ctx = build_context(config, broker_url, long_poll_seconds=long_poll_seconds)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await ctx.store.refresh_broker_identity()
+        await ctx.hub.start()
+        if ctx.auth.dev_mode:
+            log.warning("no API keys configured: DEV MODE, every key is accepted as its own tenant")
+        yield
+        await ctx.hub.close()
+        await ctx.store.r.aclose()
+
+    app = FastAPI(title="Twinkle", version="0.1.0", lifespan=lifespan,
+                  description="Training as a service: many LoRA adapters on one base model.")
+    app.state.ctx = ctx
+    errors.install(app)
+    prefix = api_prefix(config)
+    for module in (session, training, sampling, futures, rest):
+        app.include_router(module.router, prefix=prefix)
+    return app

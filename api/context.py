@@ -1,0 +1,39 @@
+"""Everything a request handler needs, built once per API process."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from api.hub import FutureHub
+from api.store import Store
+from twinkle.auth import KeyChecker
+from twinkle.catalog import Catalog, ServedModel
+from twinkle.checkpoints import CheckpointStore
+from twinkle.keys import Keys
+
+
+@dataclass
+class ApiContext:
+    config: Any
+    store: Store
+    hub: FutureHub
+    catalog: Catalog
+    keys: Keys
+    auth: KeyChecker
+    checkpoints: CheckpointStore
+    long_poll_seconds: float = 30.0
+    max_request_bytes: int = 64 << 20
+
+    async def model_info(self, served: ServedModel) -> dict[str, Any] | None:
+        """What the pool published about its loaded model (vocab size, context length, tokenizer)."""
+        app = served.model_app or served.sampler_app
+        if app is None:
+            return None
+        raw = await self.store.r.get(self.keys.pool_info(app))
+        return json.loads(raw) if raw else None
+
+    def per_key_model_limit(self) -> int:
+        server = self.config.server_app()
+        return int(server.args.server_config.per_token_model_limit) if server else 0

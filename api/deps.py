@@ -1,0 +1,32 @@
+"""FastAPI dependencies: the process context and the calling tenant."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from api.context import ApiContext
+from twinkle.auth import key_from_headers
+
+
+def get_context(request: Request) -> ApiContext:
+    ctx: ApiContext = request.app.state.ctx
+    return ctx
+
+
+Ctx = Annotated[ApiContext, Depends(get_context)]
+
+
+def get_tenant(
+    request: Request,
+    x_api_key: Annotated[str | None, Header()] = None,
+    authorization: Annotated[str | None, Header()] = None,
+) -> str:
+    ctx = get_context(request)
+    tenant = ctx.auth.tenant_for(key_from_headers(x_api_key, authorization))
+    request.state.tenant = tenant
+    return tenant
+
+
+Tenant = Annotated[str, Depends(get_tenant)]

@@ -1,0 +1,73 @@
+"""One place that turns exceptions into JSON answers: a message that says what to do, a request id,
+never a traceback or a server path."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from twinkle.errors import RateLimited, TwinkleError
+
+log = logging.getLogger("twinkle.api")
+
+
+def request_id_of(request: Request) -> str:
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        request.state.request_id = rid
+    return str(rid)
+
+
+def error_response(request: Request, exc: TwinkleError) -> JSONResponse:
+    body = exc.to_dict()
+    body["request_id"] = request_id_of(request)
+    headers = {"x-request-id": body["request_id"]}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(max(1, int(round(float(exc.details.get("retry_after", 1))))))
+    if exc.status_code >= 500 or exc.status_code in (429,):
+        headers.setdefault("x-should-retry", "true")
+    elif exc.status_code < 500:
+        headers["x-should-retry"] = "false"
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(TwinkleError)
+    async def _twinkle(request: Request, exc: TwinkleError) -> JSONResponse:
+        return error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors()[:20]:
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        rid = request_id_of(request)
+        return JSONResponse(
+            {"error": "Invalid request: " + "; ".join(problems) + ". Fix these fields and resend.",
+             "category": "user", "code": "invalid_request", "request_id": rid},
+            status_code=400, headers={"x-request-id": rid, "x-should-retry": "false"},
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        rid = request_id_of(request)
+        message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"No route {request.method} {request.url.path}. See the API reference in the README."
+        return JSONResponse({"error": message, "category": "user", "code": f"http_{exc.status_code}",
+                             "request_id": rid}, status_code=exc.status_code, headers={"x-request-id": rid})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        rid = request_id_of(request)
+        log.exception("unhandled error in %s %s (request %s)", request.method, request.url.path, rid)
+        return JSONResponse({"error": f"Internal server error. Report request id {rid} to the operator.",
+                             "category": "server", "code": "internal_error", "request_id": rid},
+                            status_code=500, headers={"x-request-id": rid})

@@ -1,0 +1,111 @@
+"""`POST /retrieve_future`: the long-poll every compute call ends in (Tinker SDK section 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from api.context import ApiContext
+from api.deps import Ctx, Tenant
+from api.schemas import RetrieveFutureBody
+from api.tinker_codec import encode_forward_backward_output, encode_sample_output
+from twinkle.futures import FutureRecord, FutureStatus, Op
+from twinkle.types import ForwardBackwardOutput, SampleOutput
+
+router = APIRouter()
+PROTOBUF = "application/x-protobuf"
+RECHECK_SECONDS = 5.0  # re-read the record this often in case a pub/sub message was lost
+
+
+async def wait_for_future(ctx: ApiContext, record: FutureRecord, tenant: str, timeout: float) -> FutureRecord:
+    if record.state.terminal or timeout <= 0:
+        return record
+    channel = ctx.keys.done_channel(record.request_id)
+    waiter = await ctx.hub.register(channel)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            record = await ctx.store.future(record.request_id, tenant)
+            remaining = deadline - time.monotonic()
+            if record.state.terminal or remaining <= 0:
+                return record
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), min(remaining, RECHECK_SECONDS))
+            except TimeoutError:
+                continue
+    finally:
+        await ctx.hub.unregister(channel, waiter)
+
+
+@router.post("/retrieve_future", response_model=None)
+async def retrieve_future(body: RetrieveFutureBody, request: Request, ctx: Ctx, tenant: Tenant
+                          ) -> Response | dict[str, Any]:
+    record = await ctx.store.future(body.request_id, tenant)
+    record = await wait_for_future(ctx, record, tenant, ctx.long_poll_seconds)
+    if record.state is FutureStatus.FAILED:
+        return {"error": record.error, "category": record.category or "server", "code": record.code}
+    if not record.state.terminal:
+        return await try_again(ctx, record)
+    result = await ctx.store.result(record.request_id)
+    wants_proto = PROTOBUF in request.headers.get("accept", "")
+    return render_result(record, result, wants_proto)
+
+
+async def try_again(ctx: ApiContext, record: FutureRecord) -> dict[str, Any]:
+    if record.state is FutureStatus.RUNNING:
+        reason = f"running on {record.queue}"
+    else:
+        position = await ctx.store.queue_position(record)
+        reason = f"queued on {record.queue}, {position} ahead"
+    return {"type": "try_again", "request_id": record.request_id, "queue_state": "active",
+            "queue_state_reason": reason, "status": record.status}
+
+
+def render_result(record: FutureRecord, result: Any, wants_proto: bool) -> Response | dict[str, Any]:
+    if record.op in (Op.FORWARD, Op.FORWARD_BACKWARD):
+        assert isinstance(result, ForwardBackwardOutput)
+        if wants_proto:
+            return Response(encode_forward_backward_output(result), media_type=PROTOBUF)
+        return JSONResponse(forward_output_json(result))
+    if record.op == Op.SAMPLE:
+        assert isinstance(result, SampleOutput)
+        if wants_proto:
+            return Response(encode_sample_output(result, result.prompt_length), media_type=PROTOBUF)
+        return JSONResponse(sample_output_json(result))
+    body = dict(result or {})
+    body.setdefault("type", _TYPE_TAGS.get(record.op, record.op))
+    return body
+
+
+_TYPE_TAGS = {Op.SAVE_STATE: "save_weights", Op.LOAD_STATE: "load_weights"}
+
+
+def forward_output_json(out: ForwardBackwardOutput) -> dict[str, Any]:
+    return {
+        "loss_fn_output_type": out.loss_fn_output_type,
+        "loss_fn_outputs": [
+            {name: {"data": np.asarray(a).ravel().tolist(), "dtype": _dtype(a), "shape": list(np.shape(a))}
+             for name, a in outputs.items()}
+            for outputs in out.loss_fn_outputs
+        ],
+        "metrics": out.metrics,
+    }
+
+
+def sample_output_json(out: SampleOutput) -> dict[str, Any]:
+    return {
+        "type": "sample",
+        "sequences": [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}
+                      for s in out.sequences],
+        "prompt_logprobs": out.prompt_logprobs,
+        "topk_prompt_logprobs": out.topk_prompt_logprobs,
+    }
+
+
+def _dtype(a: Any) -> str:
+    return "int64" if np.issubdtype(np.asarray(a).dtype, np.integer) else "float32"

@@ -1,0 +1,84 @@
+"""Sampling routes (Tinker SDK section 3.3)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter
+
+from api.context import ApiContext
+from api.deps import Ctx, Tenant
+from api.schemas import CreateSamplingSessionBody, SampleBody
+from api.tinker_codec import decode_model_input, sampling_params_from_json
+from twinkle.checkpoints import parse_checkpoint_path
+from twinkle.errors import InvalidRequest
+from twinkle.futures import Op
+from twinkle.records import SamplingSessionRecord
+from twinkle.types import SampleRequest, input_length
+
+router = APIRouter()
+
+
+async def _target(ctx: ApiContext, tenant: str, base_model: str | None, model_path: str | None
+                  ) -> tuple[str, str, str | None]:
+    """(served model name, queue, adapter directory) for sampling a base model or a checkpoint."""
+    adapter_dir = None
+    if model_path:
+        ref = parse_checkpoint_path(model_path)
+        adapter_dir = str(ctx.checkpoints.existing(tenant, ref))
+        base_model = base_model or ctx.checkpoints.metadata(tenant, ref).get("base_model")
+    if not base_model:
+        raise InvalidRequest("Sampling needs base_model or model_path.",
+                             hint="Pass the base model name, or a tinker:// sampler checkpoint path.")
+    served = ctx.catalog.find(base_model)
+    queue = served.sample_queue()
+    if queue is None:
+        raise InvalidRequest(f"No pool samples {served.name}.", hint="Configure a sampler or model application.")
+    return served.name, queue, adapter_dir
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(body: CreateSamplingSessionBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    await ctx.store.session(body.session_id, tenant)
+    name, queue, _ = await _target(ctx, tenant, body.base_model, body.model_path)
+    seq = body.sampling_session_seq_id if body.sampling_session_seq_id is not None else int(time.time() * 1000)
+    record = SamplingSessionRecord(sampling_session_id=f"{body.session_id}:sample:{seq}", owner=tenant,
+                                   session_id=body.session_id, base_model=name, queue=queue,
+                                   model_path=body.model_path or "", created_at=time.time())
+    await ctx.store.add_sampling_session(record)
+    return {"type": "create_sampling_session", "sampling_session_id": record.sampling_session_id}
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    record = await ctx.store.sampling_session(sampler_id, tenant)
+    return {"sampler_id": record.sampling_session_id, "base_model": record.base_model,
+            "model_path": record.model_path or None}
+
+
+@router.post("/asample")
+async def asample(body: SampleBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    dedupe_scope = ""
+    if body.sampling_session_id:
+        session = await ctx.store.sampling_session(body.sampling_session_id, tenant)
+        name, queue, adapter_dir = await _target(ctx, tenant, session.base_model, session.model_path or None)
+        dedupe_scope = session.sampling_session_id
+    else:
+        name, queue, adapter_dir = await _target(ctx, tenant, body.base_model, body.model_path)
+    served = ctx.catalog.find(name)
+    info = await ctx.model_info(served) or {}
+    vocab = info.get("vocab_size")
+    prompt = decode_model_input(body.prompt, where="prompt", vocab_size=vocab)
+    params = sampling_params_from_json(body.sampling_params, vocab_size=vocab)
+    limit = served.max_length or info.get("max_context_length")
+    if limit and input_length(prompt) + params.max_tokens > limit:
+        raise InvalidRequest(f"The prompt ({input_length(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
+                             f"exceeds the model's context of {limit} tokens.", hint="Shorten the prompt or "
+                             "lower max_tokens.")
+    req = SampleRequest(prompt=prompt, params=params, num_samples=body.num_samples,
+                        prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,
+                        topk_prompt_logprobs=body.topk_prompt_logprobs, adapter_path=adapter_dir)
+    rid = await ctx.store.submit(op=Op.SAMPLE, owner=tenant, model_id="", queue=queue, payload=req,
+                                 seq_id=body.seq_id if dedupe_scope else None, dedupe_scope=dedupe_scope)
+    return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}

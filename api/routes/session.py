@@ -1,0 +1,78 @@
+"""Bootstrap, sessions, capabilities and health (Tinker SDK section 3.1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from api.deps import Ctx, Tenant
+from api.schemas import CreateSessionBody, FinishBody, SessionRef
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz(ctx: Ctx) -> dict[str, Any]:
+    await ctx.store.r.ping()
+    return {"status": "ok"}
+
+
+@router.post("/client/config")
+async def client_config(tenant: Tenant) -> dict[str, Any]:
+    # Defaults of the SDK, except: small chunks are not needed, JSON polls need no JWT.
+    return {"pjwt_auth_enabled": False}
+
+
+@router.post("/client/dynamic_config")
+async def dynamic_config(tenant: Tenant) -> dict[str, Any]:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(ctx: Ctx) -> dict[str, Any]:
+    models = []
+    for served in ctx.catalog.models.values():
+        info = await ctx.model_info(served)
+        max_len = served.max_length or (info or {}).get("max_context_length")
+        models.append({"model_name": served.name, "max_context_length": max_len,
+                       "trainable": served.trainable, "sampleable": served.sample_queue() is not None})
+    return {"supported_models": models}
+
+
+@router.post("/create_session")
+async def create_session(body: CreateSessionBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    session = await ctx.store.create_session(tenant, tags=body.tags, user_metadata=body.user_metadata or {},
+                                             sdk_version=body.sdk_version)
+    return {"type": "create_session", "session_id": session.session_id}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(body: SessionRef, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    await ctx.store.heartbeat(body.session_id, tenant)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, body: FinishBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    await ctx.store.finish_session(session_id, tenant, body.reason.type)
+    return {}
+
+
+@router.get("/sessions")
+async def list_sessions(ctx: Ctx, tenant: Tenant, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    sessions = await ctx.store.list_sessions(tenant)
+    return {"sessions": sessions[offset : offset + limit]}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    session = await ctx.store.session(session_id, tenant)
+    runs = [m.model_id for m in await ctx.store.list_runs(tenant) if m.session_id == session_id]
+    return {"training_run_ids": runs, "sampler_ids": [], "user_metadata": {
+        k: str(v) for k, v in session.user_metadata.items()} or None}
+
+
+@router.post("/telemetry")
+async def telemetry(tenant: Tenant) -> dict[str, Any]:
+    return {"status": "accepted"}

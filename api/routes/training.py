@@ -1,0 +1,212 @@
+"""Training routes (Tinker SDK section 3.2): every compute call stores its payload and returns a future."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from api.context import ApiContext
+from api.deps import Ctx, Tenant
+from api.schemas import (
+    CreateModelBody,
+    LoadWeightsBody,
+    ModelRef,
+    OptimStepBody,
+    SaveWeightsBody,
+    SaveWeightsForSamplerBody,
+)
+from api.tinker_codec import adam_params_from_json, decode_forward_backward
+from twinkle.checkpoints import new_checkpoint_name, parse_checkpoint_path, validate_name
+from twinkle.errors import InvalidRequest, PayloadTooLarge
+from twinkle.futures import Op
+from twinkle.records import ModelRecord
+from twinkle.types import LoadRequest, LoraSpec, SaveRequest
+
+router = APIRouter()
+
+
+def _future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"request_id": request_id}
+    if model_id:
+        body["model_id"] = model_id
+    return body
+
+
+def lora_spec(body_lora: Any, served_model: str) -> LoraSpec:
+    if body_lora is None:
+        return LoraSpec()
+    target = body_lora.target_modules
+    return LoraSpec(rank=body_lora.rank, alpha=body_lora.alpha, seed=body_lora.seed,
+                    train_mlp=body_lora.train_mlp, train_attn=body_lora.train_attn,
+                    train_unembed=body_lora.train_unembed,
+                    target_modules=tuple(target) if isinstance(target, list) else target)
+
+
+async def _register_model(ctx: ApiContext, tenant: str, session_id: str, model_seq_id: int | None,
+                          base_model: str, spec: LoraSpec, user_metadata: dict[str, Any] | None) -> ModelRecord:
+    await ctx.store.session(session_id, tenant)
+    served = ctx.catalog.find(base_model)
+    if not served.trainable:
+        raise InvalidRequest(f"Base model {base_model!r} is served for sampling only.",
+                             hint="Pick a model listed as trainable in get_server_capabilities.")
+    seq = model_seq_id if model_seq_id is not None else await ctx.store.next_model_seq(session_id)
+    model_id = f"{session_id}:train:{seq}"
+    raw = await ctx.store.r.hgetall(ctx.keys.model(model_id))
+    if raw:  # a retried create: same id, same future (deduped on seq 0)
+        return ModelRecord.from_hash(raw)
+    now = time.time()
+    record = ModelRecord(model_id=model_id, owner=tenant, session_id=session_id, base_model=served.name,
+                         app=served.model_app or "", queue=served.model_queues[0],
+                         lora={k: v for k, v in spec.__dict__.items()}, created_at=now, last_request_at=now,
+                         user_metadata=user_metadata or {})
+    await ctx.store.add_model(record, limit=ctx.per_key_model_limit())
+    return record
+
+
+@router.post("/create_model")
+async def create_model(body: CreateModelBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    if body.optimizer_config and body.optimizer_config.type != "adamw":
+        raise InvalidRequest(f"Optimizer {body.optimizer_config.type!r} is not supported.",
+                             hint="Use the default AdamW optimizer (optimizer_config type 'adamw').")
+    spec = lora_spec(body.lora_config, body.base_model)
+    record = await _register_model(ctx, tenant, body.session_id, body.model_seq_id, body.base_model, spec,
+                                   body.user_metadata)
+    rid = await ctx.store.submit(op=Op.CREATE_MODEL, owner=tenant, model_id=record.model_id,
+                                 queue=record.queue, payload=spec, seq_id=0)
+    return _future(rid, record.model_id)
+
+
+@router.post("/get_info")
+async def get_info(body: ModelRef, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    record = await ctx.store.model(body.model_id, tenant)
+    served = ctx.catalog.find(record.base_model)
+    info = await ctx.model_info(served) or {}
+    return {
+        "type": "get_info",
+        "model_id": record.model_id,
+        "model_data": {"arch": info.get("arch"), "model_name": served.name,
+                       "tokenizer_id": info.get("tokenizer_id")},
+        "is_lora": True,
+        "lora_rank": record.lora.get("rank"),
+        "model_name": served.name,
+    }
+
+
+async def _forward(request: Request, ctx: ApiContext, tenant: str, *, forward_only: bool) -> dict[str, Any]:
+    declared = int(request.headers.get("content-length") or 0)
+    body = b"" if declared > ctx.max_request_bytes else await request.body()
+    if max(declared, len(body)) > ctx.max_request_bytes:
+        raise PayloadTooLarge(f"The request body has {max(declared, len(body))} bytes; the limit is "
+                              f"{ctx.max_request_bytes}.",
+                              hint="Send the batch in smaller chunks.")
+    meta, batch, only = decode_forward_backward(
+        body, request.headers.get("content-type", ""), request.headers.get("content-encoding"),
+        max_bytes=ctx.max_request_bytes, vocab_size=None)
+    record = await ctx.store.model(meta.model_id, tenant)
+    await _check_lengths(ctx, record, batch)
+    op = Op.FORWARD if (forward_only or only) else Op.FORWARD_BACKWARD
+    rid = await ctx.store.submit(op=op, owner=tenant, model_id=record.model_id, queue=record.queue,
+                                 payload=batch, seq_id=meta.seq_id)
+    return _future(rid, record.model_id)
+
+
+async def _check_lengths(ctx: ApiContext, record: ModelRecord, batch: Any) -> None:
+    served = ctx.catalog.find(record.base_model)
+    info = await ctx.model_info(served) or {}
+    limit = served.max_length or info.get("max_context_length")
+    vocab = info.get("vocab_size")
+    for i, datum in enumerate(batch.data):
+        tokens = datum.tokens()
+        if limit and len(tokens) > limit:
+            raise InvalidRequest(f"data[{i}] has {len(tokens)} tokens; this model accepts at most {limit}.",
+                                 hint="Truncate or split the sequence.")
+        if not vocab:
+            continue
+        for where, ids in (("model_input", tokens), ("target_tokens", datum.loss_fn_inputs.get("target_tokens"))):
+            if ids is not None and len(ids) and int(ids.max()) >= vocab:
+                raise InvalidRequest(f"data[{i}].{where} has token id {int(ids.max())}, outside the vocabulary "
+                                     f"(size {vocab}).", hint="Tokenize with the model's tokenizer (get_info).")
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    return await _forward(request, ctx, tenant, forward_only=False)
+
+
+@router.post("/forward")
+async def forward(request: Request, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    return await _forward(request, ctx, tenant, forward_only=True)
+
+
+@router.post("/optim_step")
+async def optim_step(body: OptimStepBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    if body.adam_params is None:
+        raise InvalidRequest("optim_step needs adam_params.", hint="Only the Adam optimizer is supported.")
+    record = await ctx.store.model(body.model_id, tenant)
+    params = adam_params_from_json(body.adam_params.model_dump())
+    rid = await ctx.store.submit(op=Op.OPTIM_STEP, owner=tenant, model_id=record.model_id,
+                                 queue=record.queue, payload=params, seq_id=body.seq_id)
+    return _future(rid, record.model_id)
+
+
+@router.post("/save_weights")
+async def save_weights(body: SaveWeightsBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    record = await ctx.store.model(body.model_id, tenant)
+    name = validate_name(body.path) if body.path else new_checkpoint_name()
+    req = SaveRequest(name=name, kind="weights", include_optimizer=True, overwrite=body.overwrite,
+                      ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata or {})
+    rid = await ctx.store.submit(op=Op.SAVE_STATE, owner=tenant, model_id=record.model_id,
+                                 queue=record.queue, payload=req, seq_id=body.seq_id)
+    return _future(rid, record.model_id)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(body: SaveWeightsForSamplerBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    record = await ctx.store.model(body.model_id, tenant)
+    sampling_session_id = None
+    if body.path:
+        name = validate_name(body.path)
+    else:
+        name = new_checkpoint_name("sampler")
+        seq = body.sampling_session_seq_id if body.sampling_session_seq_id is not None else int(time.time())
+        sampling_session_id = f"{record.session_id}:sample:{seq}"
+    req = SaveRequest(name=name, kind="sampler_weights", include_optimizer=False, ttl_seconds=body.ttl_seconds,
+                      user_metadata=body.user_metadata or {}, sampling_session_id=sampling_session_id)
+    rid = await ctx.store.submit(op=Op.SAVE_WEIGHTS_FOR_SAMPLER, owner=tenant, model_id=record.model_id,
+                                 queue=record.queue, payload=req, seq_id=body.seq_id)
+    return _future(rid, record.model_id)
+
+
+@router.post("/load_weights")
+async def load_weights(body: LoadWeightsBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    ref = parse_checkpoint_path(body.path)
+    metadata = ctx.checkpoints.metadata(tenant, ref)
+    if body.model_id:
+        record = await ctx.store.model(body.model_id, tenant)
+        req = LoadRequest(owner=tenant, path=body.path, include_optimizer=body.optimizer)
+        rid = await ctx.store.submit(op=Op.LOAD_STATE, owner=tenant, model_id=record.model_id,
+                                     queue=record.queue, payload=req, seq_id=body.seq_id)
+        return _future(rid, record.model_id)
+    if not body.session_id:
+        raise InvalidRequest("load_weights needs model_id, or session_id to create a model from the checkpoint.")
+    lora = metadata.get("lora") or {}
+    spec = LoraSpec(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in lora.items()
+                       if k in LoraSpec.__dataclass_fields__})
+    base_model = body.base_model or metadata.get("base_model") or ""
+    record = await _register_model(ctx, tenant, body.session_id, body.model_seq_id, base_model, spec,
+                                   body.user_metadata)
+    req = LoadRequest(owner=tenant, path=body.path, include_optimizer=body.optimizer, lora=spec)
+    rid = await ctx.store.submit(op=Op.LOAD_STATE, owner=tenant, model_id=record.model_id, queue=record.queue,
+                                 payload=req, seq_id=0)
+    return _future(rid, record.model_id)
+
+
+@router.post("/unload_model")
+async def unload_model(body: ModelRef, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    record = await ctx.store.model(body.model_id, tenant)
+    rid = await ctx.store.submit(op=Op.UNLOAD_MODEL, owner=tenant, model_id=record.model_id,
+                                 queue=record.queue, payload=None)
+    await ctx.store.release_model(record, reason="unloaded by its owner")
+    return _future(rid, record.model_id)

@@ -1,0 +1,214 @@
+"""The API's view of Twinkle state in Redis: futures, sessions, models, sampling sessions.
+
+Every read takes the caller's tenant id; a record owned by another tenant is reported exactly like a
+missing one (NotFound), so ids cannot be probed across tenants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+import redis.asyncio as aioredis
+from celery import Celery
+
+from twinkle import blobs
+from twinkle.celery_app import task_name
+from twinkle.errors import AdapterGone, BrokerUnavailable, Expired, LimitExceeded, NotFound
+from twinkle.futures import FutureRecord, FutureStatus, new_request_id, request_id_created_at
+from twinkle.keys import Keys
+from twinkle.records import ModelRecord, SamplingSessionRecord, SessionRecord
+
+
+class Store:
+    def __init__(self, r: aioredis.Redis, keys: Keys, celery: Celery, *, future_ttl: int,
+                 session_ttl: int) -> None:
+        self.r = r
+        self.keys = keys
+        self.celery = celery
+        self.future_ttl = future_ttl
+        self.session_ttl = session_ttl
+        self.broker_started_at = 0.0
+        self.broker_run_id = ""
+
+    async def refresh_broker_identity(self) -> None:
+        info = await self.r.info("server")
+        self.broker_run_id = str(info.get("run_id", ""))
+        self.broker_started_at = time.time() - float(info.get("uptime_in_seconds", 0))
+
+    # -- futures -------------------------------------------------------------------------------
+
+    async def submit(self, *, op: str, owner: str, model_id: str, queue: str, payload: Any,
+                     seq_id: int | None = None, dedupe_scope: str | None = None) -> str:
+        """Store the payload and the future record, then publish.
+
+        A retried submit with the same (scope, seq_id), the scope being the model unless given, gets
+        the first submit's request id back and runs once.
+        """
+        request_id = new_request_id()
+        scope = dedupe_scope or model_id
+        if seq_id is not None and scope:
+            previous = await self.r.set(self.keys.dedupe(scope, seq_id), request_id, nx=True,
+                                        ex=self.future_ttl, get=True)
+            if previous is not None:
+                return previous.decode() if isinstance(previous, bytes) else str(previous)
+        ticket = await self.r.incr(self.keys.queue_tickets(queue))
+        record = FutureRecord(request_id=request_id, op=op, owner=owner, model_id=model_id, queue=queue,
+                              ticket=ticket, seq_id=-1 if seq_id is None else seq_id,
+                              created_at=time.time(), broker_run_id=self.broker_run_id)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(self.keys.blob_in(request_id), blobs.dumps(payload), ex=self.future_ttl)
+        pipe.hset(self.keys.future(request_id), mapping=record.to_hash())
+        pipe.expire(self.keys.future(request_id), self.future_ttl)
+        if model_id:
+            pipe.hset(self.keys.model(model_id), "last_request_at", time.time())
+        await pipe.execute()
+        try:
+            await asyncio.to_thread(self.celery.send_task, task_name(op), kwargs={
+                "request_id": request_id, "model_id": model_id}, queue=queue, task_id=request_id)
+        except Exception as exc:
+            await self.r.delete(self.keys.future(request_id), self.keys.blob_in(request_id))
+            if seq_id is not None and scope:
+                await self.r.delete(self.keys.dedupe(scope, seq_id))
+            raise BrokerUnavailable("The job queue is unreachable.", hint="Retry in a few seconds.") from exc
+        return request_id
+
+    async def future(self, request_id: str, owner: str) -> FutureRecord:
+        raw = await self.r.hgetall(self.keys.future(request_id))
+        if raw:
+            record = FutureRecord.from_hash(raw)
+            if record.owner == owner:
+                return record
+            raise NotFound(f"Future {request_id} not found.")
+        created = request_id_created_at(request_id)
+        if created is not None and created < time.time() - self.future_ttl:
+            raise Expired(f"Future {request_id} has expired.", hint="Results are kept for "
+                          f"{self.future_ttl} s; submit the request again.")
+        if created is not None and self.broker_started_at and created < self.broker_started_at:
+            # Redis restarted without persistence after this request was accepted: it is gone.
+            return FutureRecord(request_id=request_id, op="", owner=owner, model_id="", queue="",
+                                status=FutureStatus.FAILED, category="server", code="request_lost",
+                                error="The server's queue restarted and lost this request. Submit it again.")
+        raise NotFound(f"Future {request_id} not found.")
+
+    async def result(self, request_id: str) -> Any:
+        data = await self.r.get(self.keys.blob_out(request_id))
+        if data is None:
+            raise Expired(f"The result of {request_id} is no longer available.", hint="Submit the request again.")
+        return blobs.loads(data)
+
+    async def queue_position(self, record: FutureRecord) -> int:
+        started = await self.r.get(self.keys.queue_started(record.queue))
+        return max(0, record.ticket - int(started or 0) - 1)
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    async def create_session(self, owner: str, *, tags: list[str], user_metadata: dict[str, Any],
+                             sdk_version: str) -> SessionRecord:
+        now = time.time()
+        session = SessionRecord(session_id=f"s{uuid.uuid4().hex[:16]}", owner=owner, created_at=now,
+                                last_heartbeat=now, tags=tags, user_metadata=user_metadata,
+                                sdk_version=sdk_version)
+        key = self.keys.session(session.session_id)
+        pipe = self.r.pipeline()
+        pipe.hset(key, mapping=session.to_hash())
+        pipe.expire(key, self.session_ttl)
+        pipe.sadd(self.keys.owner_sessions(owner), session.session_id)
+        await pipe.execute()
+        return session
+
+    async def session(self, session_id: str, owner: str) -> SessionRecord:
+        raw = await self.r.hgetall(self.keys.session(session_id))
+        if not raw or SessionRecord.from_hash(raw).owner != owner:
+            raise NotFound(f"Session {session_id} not found.", hint="Create a new session.")
+        return SessionRecord.from_hash(raw)
+
+    async def heartbeat(self, session_id: str, owner: str) -> None:
+        await self.session(session_id, owner)
+        key = self.keys.session(session_id)
+        pipe = self.r.pipeline()
+        pipe.hset(key, "last_heartbeat", time.time())
+        pipe.expire(key, self.session_ttl)
+        await pipe.execute()
+
+    async def finish_session(self, session_id: str, owner: str, reason: str) -> None:
+        await self.session(session_id, owner)
+        await self.r.hset(self.keys.session(session_id), "finished", reason or "success")
+
+    async def list_sessions(self, owner: str) -> list[str]:
+        members = await self.r.smembers(self.keys.owner_sessions(owner))
+        return sorted(m.decode() if isinstance(m, bytes) else m for m in members)
+
+    # -- models (training runs) ----------------------------------------------------------------
+
+    async def add_model(self, record: ModelRecord, *, limit: int) -> None:
+        """Register a model; `limit` > 0 caps active models per tenant, atomically across replicas."""
+        owner_models = self.keys.owner_models(record.owner)
+        if limit > 0:
+            added = await self.r.eval(_ADD_WITH_LIMIT, 1, owner_models, record.model_id, limit)
+            if not added:
+                raise LimitExceeded(f"This API key already has {limit} active models (the server's limit).",
+                                    hint="Unload a model or let an idle one expire, then retry.")
+        else:
+            await self.r.sadd(owner_models, record.model_id)
+        pipe = self.r.pipeline()
+        pipe.hset(self.keys.model(record.model_id), mapping=record.to_hash())
+        pipe.sadd(self.keys.owner_runs(record.owner), record.model_id)
+        await pipe.execute()
+
+    async def model(self, model_id: str, owner: str, *, active: bool = True) -> ModelRecord:
+        raw = await self.r.hgetall(self.keys.model(model_id))
+        record = ModelRecord.from_hash(raw) if raw else None
+        if record is None or record.owner != owner:
+            raise NotFound(f"Model {model_id} not found.", hint="Create a training client first.")
+        if active and record.status != "active":
+            raise AdapterGone(f"Model {model_id} was unloaded ({record.unload_reason or 'unloaded'}).",
+                              hint=f"Create a new model; its last checkpoint was {record.last_checkpoint or 'none'}.")
+        return record
+
+    async def release_model(self, record: ModelRecord, *, reason: str) -> None:
+        """Mark a model unloaded and free its place in the owner's model limit."""
+        pipe = self.r.pipeline()
+        pipe.hset(self.keys.model(record.model_id), mapping={"status": "unloaded", "unload_reason": reason})
+        pipe.srem(self.keys.owner_models(record.owner), record.model_id)
+        await pipe.execute()
+
+    async def next_model_seq(self, session_id: str) -> int:
+        return int(await self.r.hincrby(self.keys.session(session_id), "model_seq", 1)) - 1
+
+    async def list_runs(self, owner: str) -> list[ModelRecord]:
+        ids = await self.r.smembers(self.keys.owner_runs(owner))
+        pipe = self.r.pipeline()
+        for model_id in ids:
+            pipe.hgetall(self.keys.model(model_id.decode() if isinstance(model_id, bytes) else model_id))
+        records = [ModelRecord.from_hash(raw) for raw in await pipe.execute() if raw]
+        return sorted(records, key=lambda m: m.created_at, reverse=True)
+
+    async def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
+        raw = await self.r.hgetall(self.keys.checkpoints(run_id))
+        entries = [json.loads(v) for v in raw.values()]
+        return sorted(entries, key=lambda c: c["time"])
+
+    # -- sampling sessions ---------------------------------------------------------------------
+
+    async def add_sampling_session(self, record: SamplingSessionRecord) -> None:
+        await self.r.hset(self.keys.sampling_session(record.sampling_session_id), mapping=record.to_hash())
+
+    async def sampling_session(self, sampling_session_id: str, owner: str) -> SamplingSessionRecord:
+        raw = await self.r.hgetall(self.keys.sampling_session(sampling_session_id))
+        if not raw or SamplingSessionRecord.from_hash(raw).owner != owner:
+            raise NotFound(f"Sampling session {sampling_session_id} not found.",
+                           hint="Create a sampling client first.")
+        return SamplingSessionRecord.from_hash(raw)
+
+
+# SADD only while the set is below the limit, as one atomic step on the Redis server.
+_ADD_WITH_LIMIT = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
+if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('SADD', KEYS[1], ARGV[1])
+return 1
+"""

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import LaunchedServer, launch
+from twinkle.tiny_model import ensure_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen-family model with a BPE tokenizer, built once per test session."""
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen")
+
+
+@pytest.fixture(scope="session")
+def mock_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[LaunchedServer]:
+    """A launched server (API + mock model pool + mock sampler pool) shared by the e2e tests."""
+    server = launch(tmp_path_factory.mktemp("mock-server"), tiny_model_dir, db=11, sampler=True)
+    yield server
+    server.stop()

@@ -1,0 +1,130 @@
+"""Launch a real Twinkle server (the `twinkle-server launch` CLI) for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import yaml
+
+from twinkle.keys import Keys
+
+REDIS_HOST = os.environ.get("TWINKLE_TEST_REDIS_HOST", "127.0.0.1")
+REDIS_PORT = int(os.environ.get("TWINKLE_TEST_REDIS_PORT", "6379"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def require_redis() -> None:
+    try:
+        redis.Redis(host=REDIS_HOST, port=REDIS_PORT, socket_connect_timeout=1).ping()
+    except redis.RedisError as exc:  # pragma: no cover - environment problem
+        raise RuntimeError(f"The tests need Redis at {REDIS_HOST}:{REDIS_PORT} ({exc}); .ci/run starts one.") from exc
+
+
+def mock_config(model_dir: Path, checkpoint_dir: Path, *, port: int, db: int, backend: str = "mock",
+                max_loras: int = 32, extra_apps: list[dict[str, Any]] | None = None,
+                server_config: dict[str, Any] | None = None, sampler: bool = False,
+                adapter_config: dict[str, Any] | None = None, max_length: int = 2048) -> dict[str, Any]:
+    apps: list[dict[str, Any]] = [
+        {"name": "server", "route_prefix": "/api/v1", "import_path": "server",
+         "args": {"server_config": server_config or {}}},
+        {"name": "models-tiny", "route_prefix": "/api/v1/model/tiny-qwen", "import_path": "model",
+         "args": {"backend": backend, "model_id": str(model_dir), "max_length": max_length,
+                  "adapter_config": {"max_loras": max_loras, **(adapter_config or {})}}},
+    ]
+    if sampler:
+        apps.append({"name": "sampler-tiny", "route_prefix": "/api/v1/sampler/tiny-qwen", "import_path": "sampler",
+                     "args": {"model_id": str(model_dir), "sampler_type": "mock" if backend == "mock" else "torch"}})
+    apps.extend(extra_apps or [])
+    return {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "broker": {"url": f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}"},
+        "storage": {"checkpoint_dir": str(checkpoint_dir)},
+        "applications": apps,
+    }
+
+
+@dataclass
+class LaunchedServer:
+    config: dict[str, Any]
+    config_path: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.config['http_options']['port']}"
+
+    @property
+    def api(self) -> str:
+        return self.base_url + "/api/v1"
+
+    @property
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.config["broker"]["url"])
+
+    keys = Keys("")
+
+    def start(self, timeout: float = 90) -> None:
+        self.redis.flushdb()
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        log = self.log_path.open("wb")
+        env = dict(os.environ, TWINKLE_LOG_LEVEL="INFO", PYTHONUNBUFFERED="1", **self.env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "twinkle.server", "launch", "-c", str(self.config_path)],
+                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log()}")
+            if "[twinkle] ready" in self.log():
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def client(self, api_key: str = "tml-test-key") -> httpx.Client:
+        return httpx.Client(base_url=self.api, headers={"X-API-Key": api_key}, timeout=60)
+
+    def worker_pid(self, queue: str = "model.models-tiny.0") -> int:
+        import json
+
+        raw = self.redis.get(self.keys.pool_heartbeat(queue))
+        assert raw, "pool heartbeat missing"
+        return int(json.loads(raw)["pid"])
+
+
+def launch(tmp: Path, model_dir: Path, db: int, **kw: Any) -> LaunchedServer:
+    require_redis()
+    env = kw.pop("env", {})
+    cfg = mock_config(model_dir, tmp / "checkpoints", port=free_port(), db=db, **kw)
+    server = LaunchedServer(cfg, tmp / "server.yaml", tmp / "server.log", env=env)
+    server.start()
+    return server

@@ -1,0 +1,68 @@
+"""The contract every model backend and sampler fulfils.
+
+A backend hosts one base model and many tenants' LoRA adapters, each keyed by the Twinkle model id.
+It is driven by exactly one pool worker thread at a time, so implementations need no locking. Errors
+the caller can fix are raised as `twinkle.errors.UserError` subclasses (usually `InvalidRequest`),
+anything else propagates and is reported as a server error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from twinkle.types import (
+    AdamParams,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    LoraSpec,
+    ModelInfo,
+    SampleOutput,
+    SampleRequest,
+)
+
+
+class ModelBackend(Protocol):
+    """Trains LoRA adapters on one shared base model."""
+
+    info: ModelInfo
+
+    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
+        """Add a fresh adapter with its own optimizer state; raise LimitExceeded when no slot is free."""
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        """Drop the adapter and everything it holds; unknown ids are ignored."""
+
+    def has_adapter(self, adapter_id: str) -> bool: ...
+
+    def forward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
+        """Loss and per-token outputs without touching gradients."""
+
+    def forward_backward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
+        """Like forward, and accumulate the gradients of the summed loss into the adapter."""
+
+    def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
+        """Apply the accumulated gradients (clip, Adam step, zero); metrics keyed `name:reduction`,
+        including `grad_norm:mean` measured before clipping."""
+
+    def save_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
+        """Write the adapter (and optionally optimizer + step counters) into an existing empty dir."""
+
+    def load_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
+        """Replace the adapter's weights (and optionally optimizer state) from `save_state` output.
+        The adapter must exist already (create_adapter first)."""
+
+    def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
+        """Write only what a sampler needs to serve this adapter."""
+
+    def sample(self, adapter_id: str | None, requests: list[SampleRequest]) -> list[SampleOutput]:
+        """Sample with the adapter's current in-memory weights (None: the base model)."""
+
+
+class SamplerBackend(Protocol):
+    """Generates from the base model with adapters loaded from sampler checkpoints."""
+
+    info: ModelInfo
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleOutput]:
+        """Serve a batch; each request names its adapter by `adapter_path` (None: base model)."""

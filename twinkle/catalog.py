@@ -1,0 +1,104 @@
+"""Which pools serve which base model, derived once from the config.
+
+Clients name base models as they know them (`Qwen/Qwen3.5-4B`); the config names them by where they
+load from (`ms://Qwen/Qwen3.5-4B`, a local directory). A served model answers to its configured
+`served_model_name`, its model_id, the model_id without scheme, and a local directory's basename.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from twinkle.errors import InvalidRequest
+
+
+def model_queue(app: str, replica: int = 0) -> str:
+    return f"model.{app}.{replica}"
+
+
+def sampler_queue(app: str) -> str:
+    return f"sampler.{app}"
+
+
+def processor_queue(app: str) -> str:
+    return f"processor.{app}"
+
+
+def strip_scheme(model_id: str) -> str:
+    for scheme in ("ms://", "hf://"):
+        if model_id.startswith(scheme):
+            return model_id[len(scheme) :]
+    return model_id
+
+
+def served_name(model_id: str, explicit: str | None = None) -> str:
+    if explicit:
+        return explicit
+    plain = strip_scheme(model_id)
+    if os.path.isdir(os.path.expanduser(plain)):
+        return os.path.basename(os.path.normpath(plain))
+    return plain
+
+
+@dataclass
+class ServedModel:
+    name: str
+    model_id: str
+    aliases: set[str] = field(default_factory=set)
+    model_app: str | None = None
+    model_queues: list[str] = field(default_factory=list)
+    sampler_app: str | None = None
+    sampler_queue: str | None = None
+    max_length: int | None = None
+    backend: str = ""
+
+    @property
+    def trainable(self) -> bool:
+        return self.model_app is not None
+
+    def sample_queue(self) -> str | None:
+        return self.sampler_queue or (self.model_queues[0] if self.model_queues else None)
+
+
+class Catalog:
+    def __init__(self, config: Any) -> None:
+        self.models: dict[str, ServedModel] = {}
+        for app in config.model_apps():
+            served = self._entry(app.args.model_id, getattr(app.args, "served_model_name", None))
+            served.model_app = app.name
+            replicas = max(1, _replicas(app))
+            served.model_queues = [model_queue(app.name, i) for i in range(replicas)]
+            served.max_length = app.args.max_length
+            served.backend = app.args.backend
+        for app in config.sampler_apps():
+            served = self._entry(app.args.model_id, getattr(app.args, "served_model_name", None))
+            served.sampler_app = app.name
+            served.sampler_queue = sampler_queue(app.name)
+
+    def _entry(self, model_id: str, explicit: str | None) -> ServedModel:
+        name = served_name(model_id, explicit)
+        if name not in self.models:
+            self.models[name] = ServedModel(name=name, model_id=model_id)
+        served = self.models[name]
+        served.aliases |= {name, model_id, strip_scheme(model_id), os.path.basename(strip_scheme(model_id))}
+        return served
+
+    def find(self, base_model: str) -> ServedModel:
+        for served in self.models.values():
+            if base_model in served.aliases:
+                return served
+        names = ", ".join(sorted(self.models)) or "(none)"
+        raise InvalidRequest(f"Base model {base_model!r} is not served here.", hint=f"Served models: {names}.")
+
+    def by_app(self, app_name: str) -> ServedModel | None:
+        return next((m for m in self.models.values() if app_name in (m.model_app, m.sampler_app)), None)
+
+
+def _replicas(app: Any) -> int:
+    for deployment in app.deployments or []:
+        scaling = getattr(deployment, "autoscaling_config", None)
+        if scaling is not None:
+            return int(getattr(scaling, "min_replicas", 1) or 1)
+    return 1

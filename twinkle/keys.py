@@ -1,0 +1,78 @@
+"""Every Redis key and channel Twinkle uses, in one place.
+
+All keys start with `<key_prefix>tw:` so that `twinkle-server clear persistence` can remove exactly
+Twinkle's keys and several deployments can share one Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = ""
+
+    @property
+    def root(self) -> str:
+        return f"{self.prefix}tw:"
+
+    # futures and their payloads
+    def future(self, request_id: str) -> str:
+        return f"{self.root}future:{request_id}"
+
+    def blob_in(self, request_id: str) -> str:
+        return f"{self.root}blob:{request_id}:in"
+
+    def blob_out(self, request_id: str) -> str:
+        return f"{self.root}blob:{request_id}:out"
+
+    def done_channel(self, request_id: str) -> str:
+        return f"{self.root}done:{request_id}"
+
+    def dedupe(self, model_id: str, seq_id: int) -> str:
+        return f"{self.root}dedupe:{model_id}:{seq_id}"
+
+    def idempotency(self, owner: str, key: str) -> str:
+        return f"{self.root}idem:{owner}:{key}"
+
+    # queues: tickets handed out at publish, the last ticket a worker started
+    def queue_tickets(self, queue: str) -> str:
+        return f"{self.root}queue:{queue}:tickets"
+
+    def queue_started(self, queue: str) -> str:
+        return f"{self.root}queue:{queue}:started"
+
+    # tenants' resources
+    def session(self, session_id: str) -> str:
+        return f"{self.root}session:{session_id}"
+
+    def model(self, model_id: str) -> str:
+        return f"{self.root}model:{model_id}"
+
+    def owner_models(self, owner: str) -> str:
+        return f"{self.root}owner:{owner}:models"
+
+    def sampling_session(self, sampling_session_id: str) -> str:
+        return f"{self.root}sampling:{sampling_session_id}"
+
+    def training_run(self, run_id: str) -> str:
+        return f"{self.root}run:{run_id}"
+
+    def owner_runs(self, owner: str) -> str:
+        return f"{self.root}owner:{owner}:runs"
+
+    def checkpoints(self, run_id: str) -> str:
+        """Hash checkpoint_id -> JSON record of one training run's checkpoints."""
+        return f"{self.root}run:{run_id}:checkpoints"
+
+    def owner_sessions(self, owner: str) -> str:
+        return f"{self.root}owner:{owner}:sessions"
+
+    # workers
+    def pool_heartbeat(self, queue: str) -> str:
+        return f"{self.root}pool:{queue}:heartbeat"
+
+    def pool_info(self, app: str) -> str:
+        """JSON ModelInfo a pool publishes once its model is loaded."""
+        return f"{self.root}pool:{app}:info"

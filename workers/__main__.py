@@ -1,0 +1,3 @@
+from workers.pool import main
+
+main()

@@ -1,0 +1,39 @@
+"""Build a pool's backend or sampler from its application args."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from twinkle.backends import BACKENDS, DEFAULT_SAMPLER_FOR_BACKEND, SAMPLERS, resolve
+from twinkle.catalog import strip_scheme
+
+MOCK_DEFAULT_VOCAB = 32000
+
+
+def _mock_source(model_id: str) -> str | int:
+    """The mock backend reads the vocabulary of a local model directory; hub ids get a fixed size."""
+    path = os.path.expanduser(strip_scheme(model_id))
+    return path if os.path.isdir(path) else MOCK_DEFAULT_VOCAB
+
+
+def build_model_backend(args: Any) -> Any:
+    cls = resolve(BACKENDS, args.backend, "backend")
+    max_loras = args.adapter_config.max_loras
+    if args.backend == "mock":
+        return cls(_mock_source(args.model_id), max_loras=max_loras, max_length=args.max_length)
+    return cls(args.model_id, torch_dtype=args.torch_dtype, max_loras=max_loras, max_length=args.max_length)
+
+
+def build_sampler(model_id: str, sampler_type: str, *, max_loras: int = 4, torch_dtype: str = "auto",
+                  engine_args: dict[str, Any] | None = None) -> Any:
+    cls = resolve(SAMPLERS, sampler_type, "sampler_type")
+    if sampler_type == "mock":
+        return cls(_mock_source(model_id))
+    if sampler_type == "vllm":
+        return cls(model_id, engine_args=engine_args or {}, max_loras=max_loras)
+    return cls(model_id, max_loras=max_loras, torch_dtype=torch_dtype)
+
+
+def sampler_type_for_model_pool(args: Any) -> str:
+    return getattr(args, "sampler_type", None) or DEFAULT_SAMPLER_FOR_BACKEND.get(args.backend, "torch")

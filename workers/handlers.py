@@ -1,0 +1,191 @@
+"""What each op does on a pool: the glue between a future's payload and the backend."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+
+from twinkle.backends.base import ModelBackend, SamplerBackend
+from twinkle.checkpoints import CheckpointRef, CheckpointStore, parse_checkpoint_path
+from twinkle.errors import InvalidRequest
+from twinkle.futures import FutureRecord, Op
+from twinkle.keys import Keys
+from twinkle.losses import validate_loss
+from twinkle.records import ModelRecord, SamplingSessionRecord
+from twinkle.types import (
+    AdamParams,
+    ForwardBackwardInput,
+    LoadRequest,
+    LoraSpec,
+    SampleOutput,
+    SampleRequest,
+    SaveRequest,
+    input_length,
+)
+
+
+class CheckpointIndex:
+    """The Redis index of checkpoints per training run, read by the RestClient routes."""
+
+    def __init__(self, r: redis.Redis, keys: Keys) -> None:
+        self.r = r
+        self.keys = keys
+
+    def record(self, ref: CheckpointRef, metadata: dict[str, Any], ttl_seconds: int | None) -> None:
+        now = time.time()
+        entry = {
+            "checkpoint_id": ref.checkpoint_id,
+            "checkpoint_type": ref.checkpoint_type,
+            "time": datetime.fromtimestamp(now, UTC).isoformat(),
+            "tinker_path": ref.uri(),
+            "size_bytes": metadata.get("size_bytes"),
+            "public": False,
+            "user_metadata": metadata.get("user_metadata") or None,
+            "expires_at": datetime.fromtimestamp(now + ttl_seconds, UTC).isoformat() if ttl_seconds else None,
+        }
+        field = "last_checkpoint" if ref.kind == "weights" else "last_sampler_checkpoint"
+        pipe = self.r.pipeline()
+        pipe.hset(self.keys.checkpoints(ref.run_id), ref.checkpoint_id, json.dumps(entry))
+        pipe.hset(self.keys.model(ref.run_id), field, ref.uri())
+        pipe.execute()
+
+
+class ModelPoolHandlers:
+    """Ops of a model pool: one backend holding one base model and many adapters."""
+
+    def __init__(self, backend: ModelBackend, sampler: SamplerBackend | None, store: CheckpointStore,
+                 r: redis.Redis, keys: Keys) -> None:
+        self.backend = backend
+        self.sampler = sampler
+        self.store = store
+        self.index = CheckpointIndex(r, keys)
+        self.r = r
+        self.keys = keys
+
+    def table(self) -> dict[str, Any]:
+        return {
+            Op.CREATE_MODEL: self.create_model,
+            Op.FORWARD: self.forward,
+            Op.FORWARD_BACKWARD: self.forward_backward,
+            Op.OPTIM_STEP: self.optim_step,
+            Op.SAVE_STATE: self.save,
+            Op.SAVE_WEIGHTS_FOR_SAMPLER: self.save,
+            Op.LOAD_STATE: self.load_state,
+            Op.SAMPLE: self.sample,
+            Op.UNLOAD_MODEL: self.unload_model,
+        }
+
+    def create_model(self, rec: FutureRecord, spec: LoraSpec) -> dict[str, Any]:
+        self.backend.create_adapter(rec.model_id, spec)
+        return {"model_id": rec.model_id}
+
+    def forward(self, rec: FutureRecord, batch: ForwardBackwardInput) -> Any:
+        validate_loss(batch.loss_fn, batch.data, batch.loss_fn_config)
+        return self.backend.forward(rec.model_id, batch)
+
+    def forward_backward(self, rec: FutureRecord, batch: ForwardBackwardInput) -> Any:
+        validate_loss(batch.loss_fn, batch.data, batch.loss_fn_config)
+        return self.backend.forward_backward(rec.model_id, batch)
+
+    def optim_step(self, rec: FutureRecord, params: AdamParams) -> dict[str, Any]:
+        return {"metrics": self.backend.optim_step(rec.model_id, params)}
+
+    def save(self, rec: FutureRecord, req: SaveRequest) -> dict[str, Any]:
+        ref = CheckpointRef(rec.model_id, req.kind, req.name)
+        tmp = self.store.begin(rec.owner, ref)
+        try:
+            if req.kind == "weights":
+                self.backend.save_state(rec.model_id, tmp, include_optimizer=req.include_optimizer)
+            else:
+                self.backend.save_weights_for_sampler(rec.model_id, tmp)
+            model = self._model(rec.model_id)
+            metadata = self.store.commit(rec.owner, ref, tmp, {
+                "checkpoint_id": ref.checkpoint_id,
+                "checkpoint_type": ref.checkpoint_type,
+                "tinker_path": ref.uri(),
+                "run_id": rec.model_id,
+                "base_model": model.base_model if model else "",
+                "lora": model.lora if model else {},
+                "include_optimizer": req.include_optimizer and req.kind == "weights",
+                "user_metadata": req.user_metadata,
+                "progress": req.progress,
+                "time": time.time(),
+            }, overwrite=req.overwrite)
+        except BaseException:
+            self.store.abort(tmp)
+            raise
+        self.index.record(ref, metadata, req.ttl_seconds)
+        result: dict[str, Any] = {"path": ref.uri()}
+        if req.sampling_session_id:
+            self._create_sampling_session(rec, req.sampling_session_id, ref)
+            result["sampling_session_id"] = req.sampling_session_id
+        return result
+
+    def _create_sampling_session(self, rec: FutureRecord, sampling_session_id: str, ref: CheckpointRef) -> None:
+        model = self._model(rec.model_id)
+        session = SamplingSessionRecord(
+            sampling_session_id=sampling_session_id, owner=rec.owner,
+            session_id=model.session_id if model else "", base_model=model.base_model if model else "",
+            queue=rec.queue, model_path=ref.uri(), created_at=time.time(),
+        )
+        self.r.hset(self.keys.sampling_session(sampling_session_id), mapping=session.to_hash())
+
+    def load_state(self, rec: FutureRecord, req: LoadRequest) -> dict[str, Any]:
+        ref = parse_checkpoint_path(req.path)
+        directory = self.store.existing(req.owner, ref)
+        if ref.kind != "weights" and req.include_optimizer:
+            raise InvalidRequest("Sampler checkpoints hold no optimizer state.",
+                                 hint="Load a training checkpoint (…/weights/<name>) to restore the optimizer.")
+        if not self.backend.has_adapter(rec.model_id):
+            metadata = json.loads((directory / "checkpoint_metadata.json").read_text())
+            spec = req.lora or LoraSpec(**_lora_fields(metadata.get("lora") or {}))
+            self.backend.create_adapter(rec.model_id, spec)
+        self.backend.load_state(rec.model_id, directory, include_optimizer=req.include_optimizer)
+        return {"path": req.path, "model_id": rec.model_id}
+
+    def sample(self, rec: FutureRecord, req: SampleRequest) -> SampleOutput:
+        if req.adapter_path is None and rec.model_id and self.backend.has_adapter(rec.model_id):
+            out = self.backend.sample(rec.model_id, [req])[0]
+        elif self.sampler is None:
+            out = self.backend.sample(None, [req])[0]
+        else:
+            out = self.sampler.sample([req])[0]
+        out.prompt_length = input_length(req.prompt)
+        return out
+
+    def unload_model(self, rec: FutureRecord, _: Any) -> dict[str, Any]:
+        self.backend.remove_adapter(rec.model_id)
+        return {"model_id": rec.model_id}
+
+    def _model(self, model_id: str) -> ModelRecord | None:
+        raw = self.r.hgetall(self.keys.model(model_id))
+        return ModelRecord.from_hash(raw) if raw else None
+
+
+class SamplerPoolHandlers:
+    def __init__(self, sampler: SamplerBackend) -> None:
+        self.sampler = sampler
+
+    def table(self) -> dict[str, Any]:
+        return {Op.SAMPLE: self.sample}
+
+    def sample(self, rec: FutureRecord, req: SampleRequest) -> SampleOutput:
+        out = self.sampler.sample([req])[0]
+        out.prompt_length = input_length(req.prompt)
+        return out
+
+
+def _lora_fields(lora: dict[str, Any]) -> dict[str, Any]:
+    allowed = {k: v for k, v in lora.items() if k in LoraSpec.__dataclass_fields__}
+    if isinstance(allowed.get("target_modules"), list):
+        allowed["target_modules"] = tuple(allowed["target_modules"])
+    return allowed
+
+
+def spec_to_dict(spec: LoraSpec) -> dict[str, Any]:
+    return asdict(spec)

@@ -1,0 +1,120 @@
+"""A pool worker process: load the backend once, then consume the pool's queue forever.
+
+`python -m workers --config cfg.yaml --app NAME [--replica N]` is what the launcher runs per pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+import redis
+
+from twinkle.catalog import model_queue, processor_queue, sampler_queue
+from twinkle.celery_app import make_celery, task_name
+from twinkle.checkpoints import CheckpointStore
+from twinkle.config import load_config
+from twinkle.futures import Op
+from twinkle.keys import Keys
+from workers.factory import build_model_backend, build_sampler, sampler_type_for_model_pool
+from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
+from workers.runtime import PoolRuntime
+
+log = logging.getLogger("twinkle.worker")
+HEARTBEAT_SECONDS = 2.0
+
+
+def broker_url_from(config: Any) -> str:
+    url = os.environ.get("TWINKLE_BROKER_URL") or config.broker.url
+    if not url:
+        sys.exit("No broker URL: set broker.url in the config or TWINKLE_BROKER_URL (the launcher does).")
+    return str(url)
+
+
+def queue_for(app: Any, replica: int) -> str:
+    if app.import_path == "model":
+        return model_queue(app.name, replica)
+    if app.import_path == "sampler":
+        return sampler_queue(app.name)
+    return processor_queue(app.name)
+
+
+def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Keys) -> PoolRuntime:
+    queue = queue_for(app, replica)
+    store = CheckpointStore(config.storage.checkpoint_dir)
+    ttl = config.storage.future_ttl_seconds
+    args = app.args
+    log.info("pool %s: loading %s (%s)", queue, args.model_id, getattr(args, "backend", None) or args.sampler_type)
+    started = time.perf_counter()
+    if app.import_path == "model":
+        backend = build_model_backend(args)
+        sampler = build_sampler(args.model_id, sampler_type_for_model_pool(args),
+                                max_loras=args.adapter_config.max_loras, torch_dtype=args.torch_dtype)
+        handlers = ModelPoolHandlers(backend, sampler, store, r, keys).table()
+        runtime = PoolRuntime(r, keys, queue, handlers, future_ttl=ttl, has_adapter=backend.has_adapter)
+        info = backend.info
+    elif app.import_path == "sampler":
+        sampler = build_sampler(args.model_id, args.sampler_type, max_loras=args.adapter_config.max_loras,
+                                engine_args=args.engine_args)
+        runtime = PoolRuntime(r, keys, queue, SamplerPoolHandlers(sampler).table(), future_ttl=ttl)
+        info = sampler.info
+    else:
+        raise SystemExit(f"application {app.name!r} ({app.import_path}) has no pool worker yet")
+    r.set(keys.pool_info(app.name), json.dumps(asdict(info)))
+    log.info("pool %s: ready in %.1f s (%s)", queue, time.perf_counter() - started, info.model_name)
+    return runtime
+
+
+def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime) -> None:
+    while True:
+        try:
+            r.set(keys.pool_heartbeat(queue), json.dumps({"pid": os.getpid(), "t": time.time(),
+                                                           "ops_done": runtime.ops_done}), ex=10)
+        except redis.RedisError:
+            pass  # the broker is down; Celery reconnects on its own and so do we next round
+        time.sleep(HEARTBEAT_SECONDS)
+
+
+def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO") -> None:
+    logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(config_path)
+    app = config.app(app_name)
+    url = broker_url_from(config)
+    r = redis.Redis.from_url(url)
+    keys = Keys(config.persistence.key_prefix)
+    runtime = build_runtime(config, app, replica, r, keys)
+    celery = make_celery(url)
+    for op in Op:
+        _register(celery, runtime, op)
+    threading.Thread(target=_heartbeat, args=(r, keys, runtime.queue, runtime), daemon=True).start()
+    celery.worker_main([
+        "worker", "-P", "threads", "-c", "1", "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",
+        "--without-mingle", "--without-gossip", "-E", f"--loglevel={loglevel}",
+    ])
+
+
+def _register(celery: Any, runtime: PoolRuntime, op: Op) -> None:
+    def task(request_id: str, model_id: str = "") -> None:
+        runtime.execute(op, request_id)
+
+    task.__name__ = op.value
+    celery.task(name=task_name(op), ignore_result=True)(task)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m workers", description="Run one Twinkle pool worker.")
+    parser.add_argument("-c", "--config", default=os.environ.get("TWINKLE_SERVER_CONFIG"), required=False)
+    parser.add_argument("--app", required=True, help="application name from the config")
+    parser.add_argument("--replica", type=int, default=0)
+    parser.add_argument("--loglevel", default=os.environ.get("TWINKLE_LOG_LEVEL", "INFO"))
+    ns = parser.parse_args(argv)
+    if not ns.config:
+        parser.error("no config: pass -c or set TWINKLE_SERVER_CONFIG")
+    run(ns.config, ns.app, ns.replica, ns.loglevel)
