@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -40,7 +42,8 @@ def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30
     auth = KeyChecker(set(config.auth.api_keys), config.auth.keys_file)
     return ApiContext(config=config, store=store, hub=FutureHub(r), catalog=Catalog(config), keys=keys, auth=auth,
                       checkpoints=CheckpointStore(config.storage.checkpoint_dir),
-                      long_poll_seconds=long_poll_seconds, max_request_bytes=config.storage.max_request_bytes)
+                      long_poll_seconds=long_poll_seconds, max_request_bytes=config.storage.max_request_bytes,
+                      tinker_client_config=json.loads(os.environ.get("TWINKLE_TINKER_CLIENT_CONFIG") or "{}"))
 
 
 def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0) -> FastAPI:

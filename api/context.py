@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from api.hub import FutureHub
@@ -25,6 +25,7 @@ class ApiContext:
     checkpoints: CheckpointStore
     long_poll_seconds: float = 30.0
     max_request_bytes: int = 64 << 20
+    tinker_client_config: dict[str, Any] = field(default_factory=dict)
 
     async def model_info(self, served: ServedModel) -> dict[str, Any] | None:
         """What the pool published about its loaded model (vocab size, context length, tokenizer)."""

@@ -29,7 +29,7 @@ def error_response(request: Request, exc: TwinkleError) -> JSONResponse:
     body["request_id"] = request_id_of(request)
     headers = {"x-request-id": body["request_id"]}
     if isinstance(exc, RateLimited):
-        headers["Retry-After"] = str(max(1, int(round(float(exc.details.get("retry_after", 1))))))
+        headers["Retry-After"] = str(max(1, round(float(exc.details.get("retry_after", 1)))))
     if exc.status_code >= 500 or exc.status_code in (429,):
         headers.setdefault("x-should-retry", "true")
     elif exc.status_code < 500:

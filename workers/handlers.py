@@ -66,6 +66,14 @@ class ModelPoolHandlers:
         self.index = CheckpointIndex(r, keys)
         self.r = r
         self.keys = keys
+        self.live_adapters: set[str] = set()
+
+    def adapter_ids(self) -> list[str]:
+        return sorted(self.live_adapters)
+
+    def drop_adapter(self, adapter_id: str) -> None:
+        self.backend.remove_adapter(adapter_id)
+        self.live_adapters.discard(adapter_id)
 
     def table(self) -> dict[str, Any]:
         return {
@@ -82,6 +90,7 @@ class ModelPoolHandlers:
 
     def create_model(self, rec: FutureRecord, spec: LoraSpec) -> dict[str, Any]:
         self.backend.create_adapter(rec.model_id, spec)
+        self.live_adapters.add(rec.model_id)
         return {"model_id": rec.model_id}
 
     def forward(self, rec: FutureRecord, batch: ForwardBackwardInput) -> Any:
@@ -145,6 +154,7 @@ class ModelPoolHandlers:
             metadata = json.loads((directory / "checkpoint_metadata.json").read_text())
             spec = req.lora or LoraSpec(**_lora_fields(metadata.get("lora") or {}))
             self.backend.create_adapter(rec.model_id, spec)
+            self.live_adapters.add(rec.model_id)
         self.backend.load_state(rec.model_id, directory, include_optimizer=req.include_optimizer)
         return {"path": req.path, "model_id": rec.model_id}
 
@@ -159,7 +169,7 @@ class ModelPoolHandlers:
         return out
 
     def unload_model(self, rec: FutureRecord, _: Any) -> dict[str, Any]:
-        self.backend.remove_adapter(rec.model_id)
+        self.drop_adapter(rec.model_id)
         return {"model_id": rec.model_id}
 
     def _model(self, model_id: str) -> ModelRecord | None:

@@ -25,6 +25,7 @@ from twinkle.futures import Op
 from twinkle.keys import Keys
 from workers.factory import build_model_backend, build_sampler, sampler_type_for_model_pool
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
+from workers.lifecycle import AdapterReaper
 from workers.runtime import PoolRuntime
 
 log = logging.getLogger("twinkle.worker")
@@ -57,8 +58,14 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
         backend = build_model_backend(args)
         sampler = build_sampler(args.model_id, sampler_type_for_model_pool(args),
                                 max_loras=args.adapter_config.max_loras, torch_dtype=args.torch_dtype)
-        handlers = ModelPoolHandlers(backend, sampler, store, r, keys).table()
-        runtime = PoolRuntime(r, keys, queue, handlers, future_ttl=ttl, has_adapter=backend.has_adapter)
+        model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys)
+        runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=ttl,
+                              has_adapter=backend.has_adapter)
+        adapters = args.adapter_config
+        reaper = AdapterReaper(r, keys, adapter_ids=model_handlers.adapter_ids, remove=model_handlers.drop_adapter,
+                               lock=runtime.lock, adapter_timeout=adapters.adapter_timeout,
+                               max_lifetime=adapters.adapter_max_lifetime)
+        threading.Thread(target=reaper.run_forever, name="adapter-reaper", daemon=True).start()
         info = backend.info
     elif app.import_path == "sampler":
         sampler = build_sampler(args.model_id, args.sampler_type, max_loras=args.adapter_config.max_loras,

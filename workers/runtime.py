@@ -7,6 +7,7 @@ which never raises, so every message is acked exactly when its future reached a 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing import Any
 import redis
 
 from twinkle import blobs
-from twinkle.errors import BackendFailure, TwinkleError, lost_state_error
+from twinkle.errors import AdapterGone, BackendFailure, TwinkleError, lost_state_error
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
@@ -35,6 +36,7 @@ class PoolRuntime:
         self.future_ttl = future_ttl
         self.has_adapter = has_adapter
         self.ops_done = 0
+        self.lock = threading.Lock()  # ops and the adapter reaper never touch the backend at once
 
     def execute(self, op: str, request_id: str) -> None:
         raw = self.r.hgetall(self.keys.future(request_id))
@@ -55,7 +57,8 @@ class PoolRuntime:
             self._check_adapter_alive(op, rec)
             payload = self._load_input(request_id)
             self._mark_running(rec)
-            result = self.handlers[op](rec, payload)
+            with self.lock:
+                result = self.handlers[op](rec, payload)
         except TwinkleError as exc:
             self._fail(rec, exc)
         except Exception as exc:  # noqa: BLE001 - any backend bug becomes a failed future, never a hang
@@ -89,15 +92,23 @@ class PoolRuntime:
             self.r.hset(self.keys.future(rec.request_id), "exec_index", int(results[0]))
 
     def _check_adapter_alive(self, op: str, rec: FutureRecord) -> None:
-        if self.has_adapter is None or op in (Op.CREATE_MODEL, Op.LOAD_STATE, Op.SAMPLE, Op.UNLOAD_MODEL):
+        if self.has_adapter is None or op in (Op.CREATE_MODEL, Op.SAMPLE, Op.UNLOAD_MODEL) or not rec.model_id:
             return
-        if not self.has_adapter(rec.model_id):
+        model = self._model(rec.model_id)
+        if model is not None and model.status != "active":
+            raise AdapterGone(f"Model {rec.model_id} was unloaded: {model.unload_reason or 'unloaded'}.",
+                              hint="Create a new model" + (f" and load {model.last_checkpoint}."
+                                                           if model.last_checkpoint else "."))
+        if op != Op.LOAD_STATE and not self.has_adapter(rec.model_id):
             raise self._lost(rec.model_id)
 
-    def _lost(self, model_id: str) -> TwinkleError:
+    def _model(self, model_id: str) -> ModelRecord | None:
         raw = self.r.hgetall(self.keys.model(model_id))
-        last = ModelRecord.from_hash(raw).last_checkpoint if raw else ""
-        return lost_state_error(model_id, last or None)
+        return ModelRecord.from_hash(raw) if raw else None
+
+    def _lost(self, model_id: str) -> TwinkleError:
+        model = self._model(model_id)
+        return lost_state_error(model_id, (model.last_checkpoint if model else "") or None)
 
     def _load_input(self, request_id: str) -> Any:
         data = self.r.get(self.keys.blob_in(request_id))

@@ -80,15 +80,6 @@ async def _owned_entry(ctx: ApiContext, tenant: str, ref: CheckpointRef) -> dict
     return entry
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-async def delete_checkpoint(run_id: str, checkpoint_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
-    ref = _ref(run_id, checkpoint_id)
-    await _owned_entry(ctx, tenant, ref)
-    ctx.checkpoints.delete(tenant, ref)
-    await ctx.store.r.hdel(ctx.keys.checkpoints(ref.run_id), ref.checkpoint_id)
-    return {}
-
-
 async def _set_public(ctx: ApiContext, tenant: str, run_id: str, checkpoint_id: str, public: bool) -> None:
     ref = _ref(run_id, checkpoint_id)
     entry = await _owned_entry(ctx, tenant, ref)
@@ -127,3 +118,13 @@ async def weights_info(body: WeightsInfoBody, ctx: Ctx, tenant: Tenant) -> dict[
     return {"base_model": metadata.get("base_model", ""), "is_lora": True, "lora_rank": lora.get("rank"),
             "train_unembed": lora.get("train_unembed"), "train_mlp": lora.get("train_mlp"),
             "train_attn": lora.get("train_attn")}
+
+
+# Registered last: its greedy path would otherwise swallow ".../publish" (DELETE = unpublish).
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(run_id: str, checkpoint_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    ref = _ref(run_id, checkpoint_id)
+    await _owned_entry(ctx, tenant, ref)
+    ctx.checkpoints.delete(tenant, ref)
+    await ctx.store.r.hdel(ctx.keys.checkpoints(ref.run_id), ref.checkpoint_id)
+    return {}

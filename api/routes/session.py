@@ -19,9 +19,9 @@ async def healthz(ctx: Ctx) -> dict[str, Any]:
 
 
 @router.post("/client/config")
-async def client_config(tenant: Tenant) -> dict[str, Any]:
-    # Defaults of the SDK, except: small chunks are not needed, JSON polls need no JWT.
-    return {"pjwt_auth_enabled": False}
+async def client_config(ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    """SDK flags; the SDK's defaults unless TWINKLE_TINKER_CLIENT_CONFIG (JSON) overrides some."""
+    return {"pjwt_auth_enabled": False, **ctx.tinker_client_config}
 
 
 @router.post("/client/dynamic_config")

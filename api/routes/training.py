@@ -101,12 +101,12 @@ async def _forward(request: Request, ctx: ApiContext, tenant: str, *, forward_on
         raise PayloadTooLarge(f"The request body has {max(declared, len(body))} bytes; the limit is "
                               f"{ctx.max_request_bytes}.",
                               hint="Send the batch in smaller chunks.")
-    meta, batch, only = decode_forward_backward(
+    meta, batch, _is_proto = decode_forward_backward(
         body, request.headers.get("content-type", ""), request.headers.get("content-encoding"),
         max_bytes=ctx.max_request_bytes, vocab_size=None)
     record = await ctx.store.model(meta.model_id, tenant)
     await _check_lengths(ctx, record, batch)
-    op = Op.FORWARD if (forward_only or only) else Op.FORWARD_BACKWARD
+    op = Op.FORWARD if (forward_only or meta.forward_only) else Op.FORWARD_BACKWARD
     rid = await ctx.store.submit(op=op, owner=tenant, model_id=record.model_id, queue=record.queue,
                                  payload=batch, seq_id=meta.seq_id)
     return _future(rid, record.model_id)

@@ -1,0 +1,93 @@
+"""The Tinker wire schema (proto3 package `tinker_public`), without importing the Tinker SDK.
+
+The SDK's generated module drags in the whole SDK and torch, which the API process must not load, so
+this holds a copy of its serialized descriptor (tinker 0.38.0, `tinker_public_pb2.DESCRIPTOR`) in a
+private descriptor pool; a test checks the copy still equals the installed SDK's. The message classes
+are built at import time, so they are typed `Any`.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from google.protobuf import descriptor_pool, message_factory
+
+_SERIALIZED_DESCRIPTOR = base64.b64decode(
+    "ChN0aW5rZXJfcHVibGljLnByb3RvEg10aW5rZXJfcHVibGljIpwDCg5TYW1wbGVSZXNwb25zZRIxCglzZXF1ZW5jZXMYASADKAsy"
+    "Hi50aW5rZXJfcHVibGljLlNhbXBsZWRTZXF1ZW5jZRIcCg9wcm9tcHRfbG9ncHJvYnMYAiABKAxIAIgBARI+ChR0b3BrX3Byb21w"
+    "dF9sb2dwcm9icxgDIAEoCzIbLnRpbmtlcl9wdWJsaWMuVG9wa0xvZ3Byb2JzSAGIAQESHwoXcHJvbXB0X2NhY2hlX2hpdF90b2tl"
+    "bnMYBCABKAUSOgoWdGFyZ2V0X3Byb21wdF9sb2dwcm9icxgFIAEoCzIVLnRpbmtlcl9wdWJsaWMuVGVuc29ySAKIAQESPgoRcHJv"
+    "bXB0X2FsdF90b2tlbnMYBiABKAsyHi50aW5rZXJfcHVibGljLlByb21wdEFsdFRva2Vuc0gDiAEBQhIKEF9wcm9tcHRfbG9ncHJv"
+    "YnNCFwoVX3RvcGtfcHJvbXB0X2xvZ3Byb2JzQhkKF190YXJnZXRfcHJvbXB0X2xvZ3Byb2JzQhQKEl9wcm9tcHRfYWx0X3Rva2Vu"
+    "cyJhCg9Qcm9tcHRBbHRUb2tlbnMSJQoGdG9rZW5zGAEgASgLMhUudGlua2VyX3B1YmxpYy5UZW5zb3ISJwoIbG9ncHJvYnMYAiAB"
+    "KAsyFS50aW5rZXJfcHVibGljLlRlbnNvciLQAQoPU2FtcGxlZFNlcXVlbmNlEi4KC3N0b3BfcmVhc29uGAEgASgOMhkudGlua2Vy"
+    "X3B1YmxpYy5TdG9wUmVhc29uEg4KBnRva2VucxgCIAEoDBIVCghsb2dwcm9icxgDIAEoDEgAiAEBEj8KFXRvcGtfc2FtcGxlZF9s"
+    "b2dwcm9icxgEIAEoCzIbLnRpbmtlcl9wdWJsaWMuVG9wa0xvZ3Byb2JzSAGIAQFCCwoJX2xvZ3Byb2JzQhgKFl90b3BrX3NhbXBs"
+    "ZWRfbG9ncHJvYnMiTgoMVG9wa0xvZ3Byb2JzEhEKCXRva2VuX2lkcxgBIAEoDBIQCghsb2dwcm9icxgCIAEoDBIJCgFrGAMgASgN"
+    "Eg4KBmxlbmd0aBgEIAEoDSJGCglTcGFyc2VDc3ISDgoGdmFsdWVzGAEgASgMEhQKDGNyb3dfaW5kaWNlcxgCIAEoDBITCgtjb2xf"
+    "aW5kaWNlcxgDIAEoDCKJAQoGVGVuc29yEg8KBWRlbnNlGAEgASgMSAASLgoKc3BhcnNlX2NzchgCIAEoCzIYLnRpbmtlcl9wdWJs"
+    "aWMuU3BhcnNlQ3NySAASIwoFZHR5cGUYAyABKA4yFC50aW5rZXJfcHVibGljLkRUeXBlEg0KBXNoYXBlGAQgAygDQgoKCGVuY29k"
+    "aW5nImsKDUJhdGNoZWRUZW5zb3ISDAoEZGF0YRgBIAEoDBIPCgdvZmZzZXRzGAIgASgMEiMKBWR0eXBlGAMgASgOMhQudGlua2Vy"
+    "X3B1YmxpYy5EVHlwZRIWCg50cmFpbGluZ19zaGFwZRgEIAMoAyK4AQoLQXJyYXlSZWNvcmQSEAoIdHlwZV90YWcYASABKAkSNgoG"
+    "ZmllbGRzGAIgAygLMiYudGlua2VyX3B1YmxpYy5BcnJheVJlY29yZC5GaWVsZHNFbnRyeRISCgpudW1fZGF0dW1zGAMgASgDGksK"
+    "C0ZpZWxkc0VudHJ5EgsKA2tleRgBIAEoCRIrCgV2YWx1ZRgCIAEoCzIcLnRpbmtlcl9wdWJsaWMuQmF0Y2hlZFRlbnNvcjoCOAEi"
+    "3QEKFUZvcndhcmRCYWNrd2FyZE91dHB1dBIbChNsb3NzX2ZuX291dHB1dF90eXBlGAEgASgJEjMKD2xvc3NfZm5fb3V0cHV0cxgC"
+    "IAMoCzIaLnRpbmtlcl9wdWJsaWMuQXJyYXlSZWNvcmQSQgoHbWV0cmljcxgDIAMoCzIxLnRpbmtlcl9wdWJsaWMuRm9yd2FyZEJh"
+    "Y2t3YXJkT3V0cHV0Lk1ldHJpY3NFbnRyeRouCgxNZXRyaWNzRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgBOgI4ASK4"
+    "AwoWRm9yd2FyZEJhY2t3YXJkUmVxdWVzdBIQCghtb2RlbF9pZBgBIAEoCRIOCgZzZXFfaWQYAiABKAUSIgoEZGF0YRgDIAMoCzIU"
+    "LnRpbmtlcl9wdWJsaWMuRGF0dW0SDwoHbG9zc19mbhgEIAEoCRJPCg5sb3NzX2ZuX2NvbmZpZxgFIAMoCzI3LnRpbmtlcl9wdWJs"
+    "aWMuRm9yd2FyZEJhY2t3YXJkUmVxdWVzdC5Mb3NzRm5Db25maWdFbnRyeRIUCgxmb3J3YXJkX29ubHkYBiABKAgSVAoRbG9zc19m"
+    "bl9jb25maWdfdjIYByADKAsyOS50aW5rZXJfcHVibGljLkZvcndhcmRCYWNrd2FyZFJlcXVlc3QuTG9zc0ZuQ29uZmlnVjJFbnRy"
+    "eRozChFMb3NzRm5Db25maWdFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAE6AjgBGlUKE0xvc3NGbkNvbmZpZ1YyRW50"
+    "cnkSCwoDa2V5GAEgASgJEi0KBXZhbHVlGAIgASgLMh4udGlua2VyX3B1YmxpYy5Mb3NzQ29uZmlnVmFsdWU6AjgBIjwKD0xvc3ND"
+    "b25maWdWYWx1ZRIQCgZudW1iZXIYASABKAFIABIOCgR0ZXh0GAIgASgJSABCBwoFdmFsdWUitAIKBURhdHVtEikKC21vZGVsX2lu"
+    "cHV0GAEgAygLMhQudGlua2VyX3B1YmxpYy5DaHVuaxI+Cg5sb3NzX2ZuX2lucHV0cxgCIAMoCzImLnRpbmtlcl9wdWJsaWMuRGF0"
+    "dW0uTG9zc0ZuSW5wdXRzRW50cnkSOAoRbW9kZWxfaW5wdXRfc3BhbnMYAyADKAsyHS50aW5rZXJfcHVibGljLlByb3ZlbmFuY2VT"
+    "cGFuEjoKE2xvc3NfZm5faW5wdXRfc3BhbnMYBCADKAsyHS50aW5rZXJfcHVibGljLlByb3ZlbmFuY2VTcGFuGkoKEUxvc3NGbklu"
+    "cHV0c0VudHJ5EgsKA2tleRgBIAEoCRIkCgV2YWx1ZRgCIAEoCzIVLnRpbmtlcl9wdWJsaWMuVGVuc29yOgI4ASKWAQoOUHJvdmVu"
+    "YW5jZVNwYW4SPAoNcHJvbXB0X3Rva2VucxgBIAEoCzIjLnRpbmtlcl9wdWJsaWMuUHJvbXB0UHJvdmVuYW5jZVNwYW5IABI+Cg5z"
+    "YW1wbGVkX3Rva2VucxgCIAEoCzIkLnRpbmtlcl9wdWJsaWMuU2FtcGxlZFByb3ZlbmFuY2VTcGFuSABCBgoEc3BhbiJLChRQcm9t"
+    "cHRQcm92ZW5hbmNlU3BhbhITCgtzZXF1ZW5jZV9pZBgBIAEoCRIOCgZvZmZzZXQYAiABKAMSDgoGbGVuZ3RoGAMgASgDIkwKFVNh"
+    "bXBsZWRQcm92ZW5hbmNlU3BhbhITCgtzZXF1ZW5jZV9pZBgBIAEoCRIOCgZvZmZzZXQYAiABKAMSDgoGbGVuZ3RoGAMgASgDIp8B"
+    "CgVDaHVuaxI3CgxlbmNvZGVkX3RleHQYASABKAsyHy50aW5rZXJfcHVibGljLkVuY29kZWRUZXh0Q2h1bmtIABIqCgVpbWFnZRgC"
+    "IAEoCzIZLnRpbmtlcl9wdWJsaWMuSW1hZ2VDaHVua0gAEigKBGRtZWwYAyABKAsyGC50aW5rZXJfcHVibGljLkRtZWxDaHVua0gA"
+    "QgcKBWNodW5rIiIKEEVuY29kZWRUZXh0Q2h1bmsSDgoGdG9rZW5zGAEgASgMIrYBCgpJbWFnZUNodW5rEgwKBGRhdGEYASABKAwS"
+    "DgoGZm9ybWF0GAIgASgJEhwKD2V4cGVjdGVkX3Rva2VucxgDIAEoBUgAiAEBEkAKE292ZXJyaWRlX2RpbWVuc2lvbnMYBCABKAsy"
+    "Hi50aW5rZXJfcHVibGljLkltYWdlRGltZW5zaW9uc0gBiAEBQhIKEF9leHBlY3RlZF90b2tlbnNCFgoUX292ZXJyaWRlX2RpbWVu"
+    "c2lvbnMiMAoPSW1hZ2VEaW1lbnNpb25zEg0KBXdpZHRoGAEgASgNEg4KBmhlaWdodBgCIAEoDSIZCglEbWVsQ2h1bmsSDAoEZG1l"
+    "bBgBIAEoDCKlAgoOU2FtcGxpbmdQYXJhbXMSFwoKbWF4X3Rva2VucxgBIAEoBUgBiAEBEhEKBHNlZWQYAiABKARIAogBARIYCgt0"
+    "ZW1wZXJhdHVyZRgDIAEoAkgDiAEBEhIKBXRvcF9rGAQgASgFSASIAQESEgoFdG9wX3AYBSABKAJIBYgBARIvCglzdG9wX3N0cnMY"
+    "BiABKAsyGi50aW5rZXJfcHVibGljLlN0b3BTdHJpbmdzSAASMAoLc3RvcF90b2tlbnMYByABKAsyGS50aW5rZXJfcHVibGljLlN0"
+    "b3BUb2tlbnNIAEIGCgRzdG9wQg0KC19tYXhfdG9rZW5zQgcKBV9zZWVkQg4KDF90ZW1wZXJhdHVyZUIICgZfdG9wX2tCCAoGX3Rv"
+    "cF9wIh0KC1N0b3BTdHJpbmdzEg4KBnZhbHVlcxgBIAMoCSIcCgpTdG9wVG9rZW5zEg4KBnZhbHVlcxgBIAMoBSo6CgpTdG9wUmVh"
+    "c29uEhQKEFNUT1BfUkVBU09OX1NUT1AQABIWChJTVE9QX1JFQVNPTl9MRU5HVEgQASpnCgVEVHlwZRIVChFEVFlQRV9VTlNQRUNJ"
+    "RklFRBAAEhEKDURUWVBFX0ZMT0FUMzIQARIPCgtEVFlQRV9JTlQ2NBACEg8KC0RUWVBFX0lOVDMyEAMSEgoORFRZUEVfQkZMT0FU"
+    "MTYQBGIGcHJvdG8z"
+)
+
+_POOL = descriptor_pool.DescriptorPool()
+FILE_DESCRIPTOR = _POOL.AddSerializedFile(_SERIALIZED_DESCRIPTOR)
+
+
+def _message(name: str) -> Any:
+    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"tinker_public.{name}"))
+
+
+def _enum_values(name: str) -> dict[str, int]:
+    return {value.name: value.number for value in _POOL.FindEnumTypeByName(f"tinker_public.{name}").values}
+
+
+ForwardBackwardRequest: Any = _message("ForwardBackwardRequest")
+ForwardBackwardOutput: Any = _message("ForwardBackwardOutput")
+SampleResponse: Any = _message("SampleResponse")
+
+DTYPES = _enum_values("DType")
+DTYPE_FLOAT32 = DTYPES["DTYPE_FLOAT32"]
+DTYPE_INT64 = DTYPES["DTYPE_INT64"]
+DTYPE_INT32 = DTYPES["DTYPE_INT32"]
+DTYPE_BFLOAT16 = DTYPES["DTYPE_BFLOAT16"]
+
+STOP_REASONS = _enum_values("StopReason")
+STOP_REASON_STOP = STOP_REASONS["STOP_REASON_STOP"]
+STOP_REASON_LENGTH = STOP_REASONS["STOP_REASON_LENGTH"]

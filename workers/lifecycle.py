@@ -1,0 +1,79 @@
+"""Adapter lifecycle on a model pool: unload adapters that went idle or outlived their lifetime.
+
+An adapter is idle when neither its session heartbeated nor a request reached it for
+`adapter_timeout` seconds; it expires regardless after `adapter_max_lifetime`. Unloading frees the
+LoRA slot and the owner's model quota at once; ops still queued for it fail with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from twinkle.keys import Keys
+from twinkle.records import ModelRecord
+
+log = logging.getLogger("twinkle.lifecycle")
+
+
+class AdapterReaper:
+    def __init__(self, r: redis.Redis, keys: Keys, *, adapter_ids: Callable[[], list[str]],
+                 remove: Callable[[str], None], lock: threading.Lock, adapter_timeout: float,
+                 max_lifetime: float, interval: float = 1.0) -> None:
+        self.r = r
+        self.keys = keys
+        self.adapter_ids = adapter_ids
+        self.remove = remove
+        self.lock = lock
+        self.adapter_timeout = adapter_timeout
+        self.max_lifetime = max_lifetime
+        self.interval = interval
+
+    def expiry_reason(self, model: ModelRecord, now: float) -> str | None:
+        if self.max_lifetime > 0 and now - model.created_at > self.max_lifetime:
+            return f"it reached the maximum adapter lifetime of {self.max_lifetime:g} s"
+        if self.adapter_timeout <= 0:
+            return None
+        raw = self.r.hget(self.keys.session(model.session_id), "last_heartbeat")
+        last_seen = max(float(raw or 0), model.last_request_at, model.created_at)
+        if now - last_seen > self.adapter_timeout:
+            return f"its session sent no heartbeat or request for {self.adapter_timeout:g} s"
+        return None
+
+    def sweep(self) -> list[str]:
+        now = time.time()
+        expired = []
+        for adapter_id in self.adapter_ids():
+            raw = self.r.hgetall(self.keys.model(adapter_id))
+            if not raw:
+                continue
+            model = ModelRecord.from_hash(raw)
+            reason = self.expiry_reason(model, now)
+            if reason is None:
+                continue
+            with self.lock:
+                self.remove(adapter_id)
+            self.release(model, reason)
+            expired.append(adapter_id)
+            log.info("unloaded adapter %s: %s", adapter_id, reason)
+        return expired
+
+    def release(self, model: ModelRecord, reason: str) -> None:
+        pipe = self.r.pipeline()
+        pipe.hset(self.keys.model(model.model_id), mapping={"status": "unloaded", "unload_reason": reason})
+        pipe.srem(self.keys.owner_models(model.owner), model.model_id)
+        pipe.execute()
+
+    def run_forever(self) -> None:
+        while True:
+            try:
+                self.sweep()
+            except redis.RedisError as exc:
+                log.warning("adapter sweep skipped: %s", exc)
+            except Exception:
+                log.exception("adapter sweep failed")
+            time.sleep(self.interval)
