@@ -11,7 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from twinkle.errors import RateLimited, TwinkleError
+import redis.exceptions
+
+from twinkle.errors import BrokerUnavailable, RateLimited, TwinkleError
 
 log = logging.getLogger("twinkle.api")
 
@@ -41,6 +43,14 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(TwinkleError)
     async def _twinkle(request: Request, exc: TwinkleError) -> JSONResponse:
         return error_response(request, exc)
+
+    @app.exception_handler(redis.exceptions.ConnectionError)
+    @app.exception_handler(redis.exceptions.TimeoutError)
+    async def _broker_down(request: Request, exc: Exception) -> JSONResponse:
+        response = error_response(request, BrokerUnavailable(
+            "The server's queue (Redis) is unreachable.", hint="Retry in a few seconds."))
+        response.headers["Retry-After"] = "2"
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -33,6 +33,7 @@ class Store:
         self.session_ttl = session_ttl
         self.broker_started_at = 0.0
         self.broker_run_id = ""
+        self._submit_script = r.register_script(_SUBMIT)
 
     async def refresh_broker_identity(self) -> None:
         info = await self.r.info("server")
@@ -50,22 +51,19 @@ class Store:
         """
         request_id = new_request_id()
         scope = dedupe_scope or model_id
-        if seq_id is not None and scope:
-            previous = await self.r.set(self.keys.dedupe(scope, seq_id), request_id, nx=True,
-                                        ex=self.future_ttl, get=True)
-            if previous is not None:
-                return previous.decode() if isinstance(previous, bytes) else str(previous)
-        ticket = await self.r.incr(self.keys.queue_tickets(queue))
+        dedupe_key = self.keys.dedupe(scope, seq_id) if seq_id is not None and scope else ""
         record = FutureRecord(request_id=request_id, op=op, owner=owner, model_id=model_id, queue=queue,
-                              ticket=ticket, seq_id=-1 if seq_id is None else seq_id,
-                              created_at=time.time(), broker_run_id=self.broker_run_id)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.set(self.keys.blob_in(request_id), blobs.dumps(payload), ex=self.future_ttl)
-        pipe.hset(self.keys.future(request_id), mapping=record.to_hash())
-        pipe.expire(self.keys.future(request_id), self.future_ttl)
-        if model_id:
-            pipe.hset(self.keys.model(model_id), "last_request_at", time.time())
-        await pipe.execute()
+                              seq_id=-1 if seq_id is None else seq_id, created_at=time.time(),
+                              broker_run_id=self.broker_run_id)
+        fields = [str(x) for kv in record.to_hash().items() for x in kv]
+        winner = await self._submit_script(
+            keys=[dedupe_key or self.keys.future(request_id), self.keys.queue_tickets(queue),
+                  self.keys.future(request_id), self.keys.blob_in(request_id),
+                  self.keys.model(model_id) if model_id else ""],
+            args=[request_id, self.future_ttl, blobs.dumps(payload), time.time(), int(bool(dedupe_key)), *fields])
+        winner = winner.decode() if isinstance(winner, bytes) else str(winner)
+        if winner != request_id:
+            return winner  # a retried submit: the first one's future, run once
         try:
             await asyncio.to_thread(self.celery.send_task, task_name(op), kwargs={
                 "request_id": request_id, "model_id": model_id}, queue=queue, task_id=request_id)
@@ -204,6 +202,23 @@ class Store:
                            hint="Create a sampling client first.")
         return SamplingSessionRecord.from_hash(raw)
 
+
+# One round trip per submit: dedupe on (scope, seq_id), take a queue ticket, store the payload and the
+# future record. KEYS: dedupe (or any key when there is no seq_id), tickets, future, blob_in, model ("" = none).
+# ARGV: request_id, ttl, payload, now, has_dedupe, then the record's field/value pairs.
+_SUBMIT = """
+if ARGV[5] == '1' then
+  local previous = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2], 'GET')
+  if previous then return previous end
+end
+local ticket = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[4], ARGV[3], 'EX', ARGV[2])
+redis.call('HSET', KEYS[3], unpack(ARGV, 6))
+redis.call('HSET', KEYS[3], 'ticket', ticket)
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+if KEYS[5] ~= '' then redis.call('HSET', KEYS[5], 'last_request_at', ARGV[4]) end
+return ARGV[1]
+"""
 
 # SADD only while the set is below the limit, as one atomic step on the Redis server.
 _ADD_WITH_LIMIT = """

@@ -16,4 +16,4 @@ def dumps(value: Any) -> bytes:
 
 
 def loads(data: bytes) -> Any:
-    return pickle.loads(data)  # noqa: S301 - written by Twinkle processes only, see module docstring
+    return pickle.loads(data)  # written by Twinkle processes only, see module docstring

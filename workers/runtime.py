@@ -37,28 +37,28 @@ class PoolRuntime:
         self.has_adapter = has_adapter
         self.ops_done = 0
         self.lock = threading.Lock()  # ops and the adapter reaper never touch the backend at once
+        self._begin_script = r.register_script(_BEGIN)
 
     def execute(self, op: str, request_id: str) -> None:
-        raw = self.r.hgetall(self.keys.future(request_id))
+        raw, payload, model_raw = self._read(request_id)
         if not raw:
             log.warning("future %s is gone (expired?); dropping %s", request_id, op)
             return
         rec = FutureRecord.from_hash(raw)
+        model = ModelRecord.from_hash(model_raw) if model_raw else None
         if rec.state.terminal:
             log.info("duplicate delivery of %s %s ignored", op, request_id)
             return
-        self._mark_started(rec)
         if rec.state is FutureStatus.RUNNING:
             # It was running when its worker died: whatever it did to the adapter is lost.
-            self._fail(rec, self._lost(rec.model_id))
+            self._fail(rec, self._lost(rec.model_id, model))
             return
         started = time.perf_counter()
         try:
-            self._check_adapter_alive(op, rec)
-            payload = self._load_input(request_id)
-            self._mark_running(rec)
+            self._begin(rec)
+            self._check_adapter_alive(op, rec, model)
             with self.lock:
-                result = self.handlers[op](rec, payload)
+                result = self.handlers[op](rec, blobs.loads(payload) if payload else None)
         except TwinkleError as exc:
             self._fail(rec, exc)
         except Exception as exc:  # noqa: BLE001 - any backend bug becomes a failed future, never a hang
@@ -75,44 +75,33 @@ class PoolRuntime:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _mark_started(self, rec: FutureRecord) -> None:
-        started_key = self.keys.queue_started(rec.queue or self.queue)
-        current = self.r.get(started_key)
-        if current is None or int(current) < rec.ticket:
-            self.r.set(started_key, rec.ticket)
+    def _read(self, request_id: str) -> tuple[dict[Any, Any], bytes | None, dict[Any, Any]]:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(self.keys.future(request_id))
+        pipe.get(self.keys.blob_in(request_id))
+        pipe.hget(self.keys.future(request_id), "model_id")
+        raw, payload, model_id = pipe.execute()
+        model_raw = self.r.hgetall(self.keys.model(model_id.decode())) if model_id else {}
+        return raw, payload, model_raw
 
-    def _mark_running(self, rec: FutureRecord) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        if rec.model_id:
-            pipe.hincrby(self.keys.model(rec.model_id), "ops_executed", 1)
-        pipe.hset(self.keys.future(rec.request_id), mapping={"status": FutureStatus.RUNNING,
-                                                             "started_at": time.time()})
-        results = pipe.execute()
-        if rec.model_id:
-            self.r.hset(self.keys.future(rec.request_id), "exec_index", int(results[0]))
+    def _begin(self, rec: FutureRecord) -> None:
+        """Mark the op running, count it on its model and advance the queue position, in one round trip."""
+        self._begin_script(keys=[self.keys.future(rec.request_id), self.keys.model(rec.model_id) if rec.model_id
+                                 else "", self.keys.queue_started(rec.queue or self.queue)],
+                           args=[time.time(), rec.ticket])
 
-    def _check_adapter_alive(self, op: str, rec: FutureRecord) -> None:
+    def _check_adapter_alive(self, op: str, rec: FutureRecord, model: ModelRecord | None) -> None:
         if self.has_adapter is None or op in (Op.CREATE_MODEL, Op.SAMPLE, Op.UNLOAD_MODEL) or not rec.model_id:
             return
-        model = self._model(rec.model_id)
         if model is not None and model.status != "active":
             raise AdapterGone(f"Model {rec.model_id} was unloaded: {model.unload_reason or 'unloaded'}.",
                               hint="Create a new model" + (f" and load {model.last_checkpoint}."
                                                            if model.last_checkpoint else "."))
         if op != Op.LOAD_STATE and not self.has_adapter(rec.model_id):
-            raise self._lost(rec.model_id)
+            raise self._lost(rec.model_id, model)
 
-    def _model(self, model_id: str) -> ModelRecord | None:
-        raw = self.r.hgetall(self.keys.model(model_id))
-        return ModelRecord.from_hash(raw) if raw else None
-
-    def _lost(self, model_id: str) -> TwinkleError:
-        model = self._model(model_id)
+    def _lost(self, model_id: str, model: ModelRecord | None) -> TwinkleError:
         return lost_state_error(model_id, (model.last_checkpoint if model else "") or None)
-
-    def _load_input(self, request_id: str) -> Any:
-        data = self.r.get(self.keys.blob_in(request_id))
-        return blobs.loads(data) if data else None
 
     def _complete(self, rec: FutureRecord, result: Any) -> None:
         rid = rec.request_id
@@ -136,3 +125,14 @@ class PoolRuntime:
         pipe.delete(self.keys.blob_in(rid))
         pipe.publish(self.keys.done_channel(rid), FutureStatus.FAILED.value)
         pipe.execute()
+
+
+# KEYS: future, model ("" = none), queue_started. ARGV: now, ticket.
+_BEGIN = """
+local index = 0
+if KEYS[2] ~= '' then index = redis.call('HINCRBY', KEYS[2], 'ops_executed', 1) end
+redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'exec_index', index)
+local current = tonumber(redis.call('GET', KEYS[3]) or '0')
+if current < tonumber(ARGV[2]) then redis.call('SET', KEYS[3], ARGV[2]) end
+return index
+"""

@@ -23,10 +23,12 @@ import redis
 from twinkle.broker import EmbeddedBroker, restore_unacked
 from twinkle.catalog import model_queue, sampler_queue
 from twinkle.keys import Keys
+from twinkle.state.persistence import restore_snapshot, save_snapshot
 
 log = logging.getLogger("twinkle.launcher")
 STOP_GRACE_SECONDS = 20.0
 READY_TIMEOUT_SECONDS = 600.0
+SNAPSHOT_SECONDS = 10.0
 
 
 @dataclass
@@ -183,6 +185,10 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
     if not config.auth.api_keys and not config.auth.keys_file:
         print("[twinkle] WARNING: no API keys configured - DEV MODE: any key is accepted and each distinct "
               "key is its own tenant. Configure auth.api_keys or auth.keys_file for shared servers.", flush=True)
+    snapshot_path = config.persistence.file_path if config.persistence.mode == "file" and only is None else None
+    if snapshot_path:
+        print(f"[twinkle] restored {restore_snapshot(r, snapshot_path)} durable records from {snapshot_path}",
+              flush=True)
     sup = Supervisor(plan_children(config_path, config, only, only_name), r, keys)
     stop = {"requested": False}
 
@@ -196,12 +202,18 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
         sup.start_all()
         wait_until_ready(config, sup, only, stop)
         print(f"[twinkle] ready in {time.time() - started:.1f} s; Ctrl-C to stop", flush=True)
+        last_snapshot = time.time()
         while not stop["requested"]:
             sup.check()
+            if snapshot_path and time.time() - last_snapshot > SNAPSHOT_SECONDS:
+                save_snapshot(r, keys, snapshot_path)
+                last_snapshot = time.time()
             time.sleep(0.2)
     finally:
         print("[twinkle] stopping", flush=True)
         sup.stop_all()
+        if snapshot_path:
+            save_snapshot(r, keys, snapshot_path)
         if broker is not None:
             broker.stop()
     return 0

@@ -1,0 +1,203 @@
+"""`twinkle-server` / `python -m twinkle.server`: argument handling, exit codes and output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from twinkle.config import ServerConfig, parse_config
+from twinkle.server.cli import main
+
+REPO = Path(__file__).resolve().parents[3]
+SEED = REPO / "tests" / "fixtures" / "configs" / "seed_megatron.yaml"
+NODE_RANK = REPO / "tests" / "fixtures" / "configs" / "seed_node_rank.yaml"
+
+
+def _run_module(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("TWINKLE_SERVER_CONFIG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "twinkle.server", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attributes: Any) -> None:
+    module = types.ModuleType(name)
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.fixture(autouse=True)
+def _no_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TWINKLE_SERVER_CONFIG", raising=False)
+    monkeypatch.delenv("TWINKLE_RAY_NAMESPACE", raising=False)
+
+
+def test_check_config_exits_0_and_lists_the_applications_of_a_valid_config() -> None:
+    result = _run_module("check-config", "-c", str(SEED))
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok: 4 applications (")
+    assert "models-Qwen3.5-4B" in result.stdout
+
+
+def test_check_config_exits_2_and_prints_every_problem_to_stderr() -> None:
+    result = _run_module("check-config", "--config", str(NODE_RANK))
+
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "applications[0].args.model_id: field required" in result.stderr
+    assert "applications[1].args.model_id: field required" in result.stderr
+
+
+def test_the_config_path_defaults_to_twinkle_server_config(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TWINKLE_SERVER_CONFIG", str(SEED))
+
+    assert main(["check-config"]) == 0
+    assert capsys.readouterr().out.startswith("ok: 4 applications")
+
+
+def test_a_missing_config_option_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["check-config"])
+
+    assert caught.value.code == 2
+
+
+def test_print_config_json_round_trips_through_parse_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["print-config", "-c", str(SEED), "--format", "json"]) == 0
+
+    data = json.loads(capsys.readouterr().out)
+
+    assert data["applications"][1]["args"]["adapter_config"]["snapshot_interval"] == 0
+    assert parse_config(data) == parse_config(yaml.safe_load(SEED.read_text(encoding="utf-8")))
+
+
+def test_print_config_defaults_to_yaml(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["print-config", "-c", str(SEED)]) == 0
+
+    data = yaml.safe_load(capsys.readouterr().out)
+
+    assert data["storage"]["checkpoint_dir"] == "./outputs"
+    assert parse_config(data).model_apps()[0].args.backend == "megatron"
+
+
+def test_launch_passes_the_validated_config_and_roles_to_the_launcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def launch(**kwargs: Any) -> int:
+        calls.append(kwargs)
+        return 7
+
+    _fake_module(monkeypatch, "twinkle.server.launcher", launch=launch)
+
+    assert main(["launch", "-c", str(SEED), "--only", "worker", "processor", "--namespace", "ns1"]) == 7
+
+    (call,) = calls
+    assert call["config_path"] == str(SEED)
+    assert isinstance(call["config"], ServerConfig)
+    assert (call["only"], call["only_name"], call["namespace"]) == ("worker", "processor", "ns1")
+
+
+def test_launch_takes_the_namespace_from_the_environment_then_the_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    namespaces: list[str] = []
+    _fake_module(
+        monkeypatch,
+        "twinkle.server.launcher",
+        launch=lambda **kwargs: namespaces.append(kwargs["namespace"]) or 0,
+    )
+
+    main(["launch", "-c", str(SEED), "--only", "api"])
+    monkeypatch.setenv("TWINKLE_RAY_NAMESPACE", "from-env")
+    main(["launch", "-c", str(SEED)])
+
+    assert namespaces == ["twinkle_cluster", "from-env"]
+
+
+@pytest.mark.parametrize(
+    "only",
+    [["worker"], ["worker", "nope"], ["worker", "server"], ["api", "extra"], ["gpu"]],
+    ids=["worker-without-name", "unknown-worker", "server-is-no-worker", "api-with-name", "unknown-role"],
+)
+def test_launch_refuses_a_malformed_only(monkeypatch: pytest.MonkeyPatch, only: list[str]) -> None:
+    _fake_module(monkeypatch, "twinkle.server.launcher", launch=lambda **kwargs: pytest.fail("launched"))
+
+    with pytest.raises(SystemExit) as caught:
+        main(["launch", "-c", str(SEED), "--only", *only])
+
+    assert caught.value.code == 2
+
+
+def test_launch_with_an_invalid_config_exits_2_without_launching(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_module(monkeypatch, "twinkle.server.launcher", launch=lambda **kwargs: pytest.fail("launched"))
+
+    assert main(["launch", "-c", str(NODE_RANK)]) == 2
+    assert "model_id: field required" in capsys.readouterr().err
+
+
+def test_clear_persistence_prints_how_many_keys_were_removed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[ServerConfig] = []
+    _fake_module(
+        monkeypatch, "twinkle.state.persistence", clear_persistence=lambda config: seen.append(config) or 12
+    )
+
+    assert main(["clear", "persistence", "-c", str(SEED)]) == 0
+
+    assert seen[0].persistence.file_path == "/tmp/twinkle_state.json"
+    assert "removed 12 keys" in capsys.readouterr().out
+
+
+def test_user_errors_from_a_command_exit_1_with_the_message(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from twinkle.errors import UserError
+
+    def refuse(config: ServerConfig) -> int:
+        raise UserError("memory persistence has nothing to clear", hint="stop the server instead")
+
+    _fake_module(monkeypatch, "twinkle.state.persistence", clear_persistence=refuse)
+
+    assert main(["clear", "persistence", "-c", str(SEED)]) == 1
+    assert "error: memory persistence has nothing to clear" in capsys.readouterr().err
+
+
+def test_build_tiny_model_passes_only_the_given_options(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls: list[tuple[Path, dict[str, Any]]] = []
+
+    def build_tiny_model(out_dir: Path, **kwargs: Any) -> Path:
+        calls.append((out_dir, kwargs))
+        return out_dir
+
+    _fake_module(monkeypatch, "twinkle.tiny_model", build_tiny_model=build_tiny_model)
+
+    assert main(["build-tiny-model", str(tmp_path / "a"), "--vocab-size", "300", "--seed", "3"]) == 0
+    assert main(["build-tiny-model", str(tmp_path / "b")]) == 0
+
+    assert calls == [(tmp_path / "a", {"vocab_size": 300, "seed": 3}), (tmp_path / "b", {})]
+    assert capsys.readouterr().out.splitlines() == [str(tmp_path / "a"), str(tmp_path / "b")]

@@ -1,0 +1,167 @@
+"""The top-level sections of the server config: network, telemetry, state, broker, storage, access."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, field_validator, model_validator
+
+from twinkle.config.base import StrictModel, config_problem
+
+ProxyLocation = Literal["EveryNode", "HeadOnly"]
+PersistenceMode = Literal["memory", "file", "redis"]
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_redis_url(url: str | None) -> str | None:
+    if url is not None and not url.startswith(_REDIS_SCHEMES):
+        raise config_problem(
+            f"{url!r} is not a Redis URL",
+            hint="write it as redis://HOST:PORT[/DB], rediss://... for TLS, or unix:///path/to/socket",
+        )
+    return url
+
+
+def _sha256_hex(key: str) -> str:
+    normalised = key.strip().lower()
+    if not _SHA256_HEX.match(normalised):
+        raise config_problem(
+            "not a SHA-256 hex digest (64 hex characters); raw keys must never be stored",
+            hint="store hashlib.sha256(KEY.encode()).hexdigest() instead of the key itself",
+        )
+    return normalised
+
+
+ApiKeyHash = Annotated[str, AfterValidator(_sha256_hex)]
+
+
+class HttpOptions(StrictModel):
+    """Where the HTTP API listens."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; the default only accepts local connections, use 0.0.0.0 to accept all."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port of the API (0 asks the operating system for a free port)."""
+
+
+class TelemetryConfig(StrictModel):
+    """OpenTelemetry traces, metrics and logs, pushed over OTLP."""
+
+    enabled: bool = False
+    """Whether to export telemetry at all."""
+    service_name: str = "twinkle-server"
+    """The `service.name` resource attribute every span and metric carries."""
+    otlp_endpoint: str = "http://localhost:4317"
+    """gRPC address of the OpenTelemetry collector; it must be reachable from every Twinkle process."""
+    debug: bool = False
+    """Print spans and metrics to the console instead of sending them over OTLP."""
+    export_interval_ms: int = Field(default=30000, gt=0)
+    """How often metrics are exported, in milliseconds."""
+    resource_attributes: dict[str, str] = Field(default_factory=dict)
+    """Extra resource attributes attached to all telemetry (for example `deployment.environment`)."""
+
+
+class PersistenceConfig(StrictModel):
+    """Where durable server state (sessions, models, training runs, checkpoint index) lives."""
+
+    mode: PersistenceMode = "memory"
+    """`memory`: in the broker's Redis, gone with it; `file`: JSON snapshot at `file_path`, restored at
+    launch; `redis`: an external Redis at `redis_url`."""
+    file_path: str | None = None
+    """JSON snapshot file; required when mode is `file`."""
+    redis_url: str | None = None
+    """Redis URL such as `redis://localhost:6379/0`; required when mode is `redis`."""
+    key_prefix: str = ""
+    """Prefix for every key Twinkle writes, so several servers can share one Redis database."""
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_has_scheme(cls, url: str | None) -> str | None:
+        return _check_redis_url(url)
+
+    @model_validator(mode="after")
+    def _mode_has_its_location(self) -> PersistenceConfig:
+        if self.mode == "file" and not self.file_path:
+            raise config_problem(
+                "required when persistence.mode is 'file'",
+                subpath="file_path",
+                hint="set persistence.file_path to a JSON file, e.g. /var/lib/twinkle/state.json",
+            )
+        if self.mode == "redis" and not self.redis_url:
+            raise config_problem(
+                "required when persistence.mode is 'redis'",
+                subpath="redis_url",
+                hint="set persistence.redis_url, e.g. redis://localhost:6379",
+            )
+        return self
+
+
+class BrokerConfig(StrictModel):
+    """The Redis/Valkey server that carries Celery queues, futures and payloads."""
+
+    url: str | None = None
+    """Redis URL of an existing broker; None makes `launch` start an embedded Valkey on this machine."""
+    db: int = Field(default=0, ge=0)
+    """Redis database number used when `url` does not name one."""
+
+    @field_validator("url")
+    @classmethod
+    def _url_has_scheme(cls, url: str | None) -> str | None:
+        return _check_redis_url(url)
+
+
+class StorageConfig(StrictModel):
+    """Checkpoints on disk and retention of request payloads."""
+
+    checkpoint_dir: str = "./outputs"
+    """Root directory for checkpoints: `<checkpoint_dir>/<tenant>/<run>/{weights,sampler_weights}/<name>`."""
+    future_ttl_seconds: int = Field(default=86400, gt=0)
+    """How long a finished future and its result stay retrievable, in seconds."""
+    max_request_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    """Largest accepted request body in bytes; larger requests are refused with HTTP 413."""
+
+
+class AuthConfig(StrictModel):
+    """API keys. With neither `api_keys` nor `keys_file` the server runs in development mode, where any
+    key is accepted and each distinct key is its own tenant."""
+
+    api_keys: list[ApiKeyHash] = Field(default_factory=list)
+    """SHA-256 hex digests of the accepted API keys (never the raw keys)."""
+    keys_file: str | None = None
+    """File holding more key hashes, managed by `twinkle-server keys`."""
+
+    @property
+    def dev_mode(self) -> bool:
+        """True when no key source is configured and every key is accepted."""
+        return not self.api_keys and self.keys_file is None
+
+
+class FlowerConfig(StrictModel):
+    """Flower, the Celery monitoring UI, started by `launch` when enabled."""
+
+    enabled: bool = False
+    """Start Flower next to the workers."""
+    port: int = Field(default=5555, ge=0, le=65535)
+    """Port of the Flower web UI."""
+    basic_auth: str | None = None
+    """`user:password` protecting the Flower UI; None leaves it open."""
+
+    @field_validator("basic_auth")
+    @classmethod
+    def _user_and_password(cls, value: str | None) -> str | None:
+        if value is not None:
+            user, colon, password = value.partition(":")
+            if not (user and colon and password):
+                raise config_problem("must look like 'user:password'")
+        return value
+
+
+class RayConfig(StrictModel):
+    """How Twinkle reaches Ray, which places multi-GPU worker pools."""
+
+    address: str | None = None
+    """Address of a running Ray cluster (`auto`, or `HOST:PORT`); None starts Ray locally when a pool
+    needs it."""

@@ -1,0 +1,193 @@
+"""`twinkle-server`: launch the server and inspect its config.
+
+    twinkle-server launch -c cfg.yaml [--namespace NS] [--only api | --only worker NAME | --only flower]
+    twinkle-server check-config -c cfg.yaml
+    twinkle-server print-config -c cfg.yaml [--format yaml|json]
+    twinkle-server clear persistence -c cfg.yaml
+    twinkle-server build-tiny-model OUT_DIR [--vocab-size N] [--seed S]
+
+`-c` defaults to $TWINKLE_SERVER_CONFIG and `--namespace` to $TWINKLE_RAY_NAMESPACE, then to the config's
+`ray_namespace`. Exit codes: 0 success, 2 invalid arguments or config, 1 any other Twinkle error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from twinkle.config import ConfigError, ServerConfig, config_to_dict, load_config
+from twinkle.errors import TwinkleError
+
+CONFIG_ENV = "TWINKLE_SERVER_CONFIG"
+NAMESPACE_ENV = "TWINKLE_RAY_NAMESPACE"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+_ROLES = ("api", "worker", "flower")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the process exit code."""
+    parser = build_parser()
+    options = parser.parse_args(argv)
+    command: Callable[[argparse.Namespace], int] = options.command
+    try:
+        return command(options)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return EXIT_USAGE
+    except TwinkleError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="twinkle-server",
+        description="Twinkle training-as-a-service server.",
+        epilog=f"-c defaults to ${CONFIG_ENV}.",
+    )
+    commands = parser.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
+
+    launch = commands.add_parser("launch", help="start the server and block until it is stopped")
+    _add_config_option(launch)
+    launch.add_argument(
+        "--namespace",
+        default=os.environ.get(NAMESPACE_ENV),
+        help=f"Ray namespace (default: ${NAMESPACE_ENV}, then the config's ray_namespace)",
+    )
+    launch.add_argument(
+        "--only",
+        nargs="+",
+        metavar="ROLE",
+        help="start one role on this node: 'api', 'worker NAME' (an application name) or 'flower'",
+    )
+    launch.set_defaults(command=_launch, parser=launch)
+
+    check = commands.add_parser("check-config", help="validate the config without starting anything")
+    _add_config_option(check)
+    check.set_defaults(command=_check_config)
+
+    show = commands.add_parser("print-config", help="print the validated config with every default filled in")
+    _add_config_option(show)
+    show.add_argument(
+        "--format", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)"
+    )
+    show.set_defaults(command=_print_config)
+
+    clear = commands.add_parser("clear", help="delete stored server state")
+    clear.add_argument(
+        "what", choices=("persistence",), help="what to clear: the persistence backend's state"
+    )
+    _add_config_option(clear)
+    clear.set_defaults(command=_clear)
+
+    tiny = commands.add_parser("build-tiny-model", help="write a tiny random model for tests and demos")
+    tiny.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="directory to write the model into")
+    tiny.add_argument("--vocab-size", type=int, help="vocabulary size (default: the builder's)")
+    tiny.add_argument("--seed", type=int, help="random seed (default: the builder's)")
+    tiny.set_defaults(command=_build_tiny_model)
+    return parser
+
+
+def _add_config_option(parser: argparse.ArgumentParser) -> None:
+    default = os.environ.get(CONFIG_ENV)
+    parser.add_argument(
+        "-c",
+        "--config",
+        default=default,
+        required=default is None,
+        metavar="PATH",
+        help=f"YAML server config (default: ${CONFIG_ENV})",
+    )
+
+
+def _launch(options: argparse.Namespace) -> int:
+    only, only_name = _parse_only(options.parser, options.only)
+    config = load_config(options.config)
+    if only_name is not None:
+        _check_worker_name(options.parser, config, only_name)
+    namespace = options.namespace or config.ray_namespace
+    from twinkle.server.launcher import launch  # deferred: it pulls in Ray, Celery and uvicorn
+
+    return launch(
+        config_path=options.config, config=config, only=only, only_name=only_name, namespace=namespace
+    )
+
+
+def _parse_only(parser: argparse.ArgumentParser, words: list[str] | None) -> tuple[str | None, str | None]:
+    """`--only` as (role, application name); argparse reports misuse and exits with code 2."""
+    if not words:
+        return None, None
+    role, rest = words[0], words[1:]
+    if role not in _ROLES:
+        parser.error(f"--only: unknown role {role!r}; choose api, 'worker NAME' or flower")
+    if role == "worker":
+        if len(rest) != 1:
+            parser.error("--only worker takes exactly one application name, e.g. --only worker processor")
+        return role, rest[0]
+    if rest:
+        parser.error(f"--only {role} takes no further arguments (got {' '.join(rest)})")
+    return role, None
+
+
+def _check_worker_name(parser: argparse.ArgumentParser, config: ServerConfig, name: str) -> None:
+    """Refuse before launching anything when NAME is not a worker pool of this config."""
+    pools = [app.name for app in config.applications if app.import_path != "server"]
+    if name in pools:
+        return
+    if any(app.name == name for app in config.applications):
+        reason = f"{name!r} is the server application, which runs in the API, not in a worker"
+    else:
+        close = difflib.get_close_matches(name, pools, n=1)
+        reason = f"no application named {name!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+    parser.error(f"--only worker: {reason}; worker pools: {', '.join(pools) or 'none configured'}")
+
+
+def _check_config(options: argparse.Namespace) -> int:
+    config = load_config(options.config)
+    names = ", ".join(f"{app.name} [{app.import_path}]" for app in config.applications)
+    count = len(config.applications)
+    print(f"ok: {count} application{'s' if count != 1 else ''} ({names})")
+    if config.auth.dev_mode:
+        print("note: no api_keys or keys_file: development mode, any API key is accepted", file=sys.stderr)
+    return EXIT_OK
+
+
+def _print_config(options: argparse.Namespace) -> int:
+    data = config_to_dict(load_config(options.config))
+    if options.format == "json":
+        print(json.dumps(data, indent=2, ensure_ascii=False))
+    else:
+        print(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), end="")
+    return EXIT_OK
+
+
+def _clear(options: argparse.Namespace) -> int:
+    config = load_config(options.config)
+    from twinkle.state.persistence import clear_persistence  # deferred: it needs a Redis client
+
+    removed = clear_persistence(config)
+    print(f"removed {removed} key{'s' if removed != 1 else ''} from {config.persistence.mode} persistence")
+    return EXIT_OK
+
+
+def _build_tiny_model(options: argparse.Namespace) -> int:
+    from twinkle.tiny_model import build_tiny_model  # deferred: it imports torch and transformers
+
+    # Only what the user gave: the builder owns its defaults.
+    overrides: dict[str, Any] = {}
+    if options.vocab_size is not None:
+        overrides["vocab_size"] = options.vocab_size
+    if options.seed is not None:
+        overrides["seed"] = options.seed
+    print(build_tiny_model(options.out_dir, **overrides))
+    return EXIT_OK

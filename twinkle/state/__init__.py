@@ -1,0 +1,1 @@
+"""Durable state: what `persistence.mode` keeps across broker restarts."""
