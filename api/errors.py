@@ -6,12 +6,11 @@ from __future__ import annotations
 import logging
 import uuid
 
+import redis.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-import redis.exceptions
 
 from twinkle.errors import BrokerUnavailable, RateLimited, TwinkleError
 

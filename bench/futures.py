@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,8 +32,8 @@ import psutil
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.harness import free_port  # noqa: E402
-from twinkle.tiny_model import ensure_tiny_model  # noqa: E402
+from tests.harness import free_port
+from twinkle.tiny_model import ensure_tiny_model
 
 
 def pct(values: list[float], q: float) -> float:
@@ -176,8 +175,8 @@ def bench_throughput(api: str, clients: int, seconds: float = 5.0) -> None:
         t.start()
     for t in threads:
         t.join()
-    print(f"one model pool, {clients:>2} concurrent clients{'':<17} {sum(counts) / (time.perf_counter() - started):7.1f} "
-          "ops/s (forward_backward, 32 tokens)")
+    rate = sum(counts) / (time.perf_counter() - started)
+    print(f"one model pool, {clients:>2} concurrent clients{'':<17} {rate:7.1f} ops/s (forward_backward, 32 tokens)")
 
 
 def bench_sample(api: str, n: int = 200) -> None:

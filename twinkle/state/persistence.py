@@ -70,7 +70,7 @@ def restore_snapshot(r: redis.Redis, path: str | Path) -> int:
     for (name, value), exists in zip(data.items(), live, strict=True):
         if exists:  # the broker kept it: newer than the snapshot
             continue
-        if "hash" in value and value["hash"]:
+        if value.get("hash"):
             pipe.hset(name, mapping=value["hash"])
         elif value.get("set"):
             pipe.sadd(name, *value["set"])
