@@ -127,7 +127,8 @@ class SampleBody(Body):
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=64)
     topk_sample_logprobs: int = Field(default=0, ge=0, le=64)
-    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=0)
+    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=0, description="not supported: must be 0")
+    target_prompt_logprobs: None = Field(default=None, description="not supported: must be absent")
     prompt_logprobs_last_n: int | None = Field(default=None, ge=1)
 
 

@@ -21,6 +21,7 @@ from api.tinker_codec import adam_params_from_json, decode_forward_backward
 from twinkle.checkpoints import new_checkpoint_name, parse_checkpoint_path, validate_name
 from twinkle.errors import InvalidRequest, PayloadTooLarge
 from twinkle.futures import Op
+from twinkle.losses import validate_loss
 from twinkle.records import ModelRecord
 from twinkle.types import LoadRequest, LoraSpec, SaveRequest
 
@@ -105,6 +106,7 @@ async def _forward(request: Request, ctx: ApiContext, tenant: str, *, forward_on
         body, request.headers.get("content-type", ""), request.headers.get("content-encoding"),
         max_bytes=ctx.max_request_bytes, vocab_size=None)
     record = await ctx.store.model(meta.model_id, tenant)
+    validate_loss(batch.loss_fn, batch.data, batch.loss_fn_config)
     await _check_lengths(ctx, record, batch)
     op = Op.FORWARD if (forward_only or meta.forward_only) else Op.FORWARD_BACKWARD
     rid = await ctx.store.submit(op=op, owner=tenant, model_id=record.model_id, queue=record.queue,

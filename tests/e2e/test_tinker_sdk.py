@@ -191,3 +191,20 @@ def test_an_idle_clients_heartbeats_keep_its_model_alive_while_a_silent_sessions
         gone = raw.post("/optim_step", json={"model_id": silent, "adam_params": {}})
         assert gone.status_code == 404
         assert "heartbeat" in gone.json()["error"]
+
+
+def test_a_client_side_custom_loss_trains_through_forward_backward_custom(service: tinker.ServiceClient) -> None:
+    import torch
+
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+
+    def mean_nll(data: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = -torch.cat(logprobs).mean()
+        return loss, {"mean_nll:mean": float(loss.detach())}
+
+    first = tc.forward_backward_custom(BATCH, mean_nll).result()
+    tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    for _ in range(5):
+        last = tc.forward_backward_custom(BATCH, mean_nll).result()
+        tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    assert last.metrics["mean_nll:mean"] < first.metrics["mean_nll:mean"]
