@@ -15,7 +15,8 @@ from fastapi import FastAPI
 from api import errors
 from api.context import ApiContext
 from api.hub import FutureHub
-from api.routes import futures, rest, sampling, session, training
+from api.ratelimit import RateLimiter
+from api.routes import futures, rest, sampling, session, training, twinkle
 from api.store import Store
 from twinkle.auth import KeyChecker
 from twinkle.catalog import Catalog
@@ -40,8 +41,10 @@ def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30
     store = Store(r, keys, make_celery(broker_url), future_ttl=config.storage.future_ttl_seconds,
                   session_ttl=session_ttl)
     auth = KeyChecker(set(config.auth.api_keys), config.auth.keys_file)
-    return ApiContext(config=config, store=store, hub=FutureHub(r), catalog=Catalog(config), keys=keys, auth=auth,
+    catalog = Catalog(config)
+    return ApiContext(config=config, store=store, hub=FutureHub(r), catalog=catalog, keys=keys, auth=auth,
                       checkpoints=CheckpointStore(config.storage.checkpoint_dir),
+                      limiter=RateLimiter.from_config(r, keys, config, catalog),
                       long_poll_seconds=long_poll_seconds, max_request_bytes=config.storage.max_request_bytes,
                       tinker_client_config=json.loads(os.environ.get("TWINKLE_TINKER_CLIENT_CONFIG") or "{}"))
 
@@ -64,6 +67,6 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
     app.state.ctx = ctx
     errors.install(app)
     prefix = api_prefix(config)
-    for module in (session, training, sampling, futures, rest):
+    for module in (session, training, sampling, futures, rest, twinkle):
         app.include_router(module.router, prefix=prefix)
     return app

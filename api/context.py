@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.hub import FutureHub
+from api.ratelimit import RateLimiter
 from api.store import Store
 from twinkle.auth import KeyChecker
 from twinkle.catalog import Catalog, ServedModel
@@ -23,6 +24,7 @@ class ApiContext:
     keys: Keys
     auth: KeyChecker
     checkpoints: CheckpointStore
+    limiter: RateLimiter
     long_poll_seconds: float = 30.0
     max_request_bytes: int = 64 << 20
     tinker_client_config: dict[str, Any] = field(default_factory=dict)

@@ -4,6 +4,7 @@ never a traceback or a server path."""
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 
 import redis.exceptions
@@ -30,7 +31,9 @@ def error_response(request: Request, exc: TwinkleError) -> JSONResponse:
     body["request_id"] = request_id_of(request)
     headers = {"x-request-id": body["request_id"]}
     if isinstance(exc, RateLimited):
-        headers["Retry-After"] = str(max(1, round(float(exc.details.get("retry_after", 1)))))
+        retry_after = float(exc.details.get("retry_after", 1))
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+        headers["Retry-After-Ms"] = str(max(1, math.ceil(retry_after * 1000)))  # the Tinker SDK reads it first
     if exc.status_code >= 500 or exc.status_code in (429,):
         headers.setdefault("x-should-retry", "true")
     elif exc.status_code < 500:

@@ -17,7 +17,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def mock_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[LaunchedServer]:
-    """A launched server (API + mock model pool + mock sampler pool) shared by the e2e tests."""
-    server = launch(tmp_path_factory.mktemp("mock-server"), tiny_model_dir, db=11, sampler=True)
+    """A launched server (API + mock model, sampler and processor pools) shared by the e2e tests."""
+    server = launch(tmp_path_factory.mktemp("mock-server"), tiny_model_dir, db=11, sampler=True, processor=True)
     yield server
     server.stop()

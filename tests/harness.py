@@ -38,7 +38,8 @@ def require_redis() -> None:
 def mock_config(model_dir: Path, checkpoint_dir: Path, *, port: int, db: int, backend: str = "mock",
                 max_loras: int = 32, extra_apps: list[dict[str, Any]] | None = None,
                 server_config: dict[str, Any] | None = None, sampler: bool = False,
-                adapter_config: dict[str, Any] | None = None, max_length: int = 2048) -> dict[str, Any]:
+                adapter_config: dict[str, Any] | None = None, max_length: int = 2048,
+                processor: bool = False) -> dict[str, Any]:
     apps: list[dict[str, Any]] = [
         {"name": "server", "route_prefix": "/api/v1", "import_path": "server",
          "args": {"server_config": server_config or {}}},
@@ -49,6 +50,9 @@ def mock_config(model_dir: Path, checkpoint_dir: Path, *, port: int, db: int, ba
     if sampler:
         apps.append({"name": "sampler-tiny", "route_prefix": "/api/v1/sampler/tiny-qwen", "import_path": "sampler",
                      "args": {"model_id": str(model_dir), "sampler_type": "mock" if backend == "mock" else "torch"}})
+    if processor:
+        apps.append({"name": "processor", "route_prefix": "/api/v1/processor", "import_path": "processor",
+                     "args": {"ncpu_proc_per_node": 2}})
     apps.extend(extra_apps or [])
     return {
         "http_options": {"host": "127.0.0.1", "port": port},

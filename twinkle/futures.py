@@ -37,6 +37,14 @@ class Op(StrEnum):
     SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
     SAMPLE = "sample"
     UNLOAD_MODEL = "unload_model"
+    # Twinkle-native: the adapter's server-side training configuration and loop
+    CONFIGURE = "configure"
+    CLIP_GRAD_AND_STEP = "clip_grad_and_step"
+    CALCULATE_METRIC = "calculate_metric"
+    GET_TRAIN_CONFIGS = "get_train_configs"
+    UPLOAD_TO_HUB = "upload_to_hub"
+    # processor pool
+    ENCODE = "encode"
 
 
 def new_request_id() -> str:

@@ -69,9 +69,23 @@ class Keys:
     def owner_sessions(self, owner: str) -> str:
         return f"{self.root}owner:{owner}:sessions"
 
+    # admission control
+    def rate_window(self, owner: str, app: str, what: str) -> str:
+        """Sorted set of one tenant's recent admitted requests (`what`="requests") or their input token
+        counts ("tokens") on one pool, scored by time: the sliding window of api/ratelimit.py."""
+        return f"{self.root}rate:{owner}:{app}:{what}"
+
+    def rate_rejections(self) -> str:
+        """Hash `<app>:<reason>` -> number of requests admission control refused."""
+        return f"{self.root}rate:rejections"
+
     # workers
     def pool_heartbeat(self, queue: str) -> str:
         return f"{self.root}pool:{queue}:heartbeat"
+
+    def pool_adapters(self, queue: str) -> str:
+        """Set of the adapters a model pool holds in memory now (its used LoRA slots)."""
+        return f"{self.root}pool:{queue}:adapters"
 
     def pool_info(self, app: str) -> str:
         """JSON ModelInfo a pool publishes once its model is loaded."""

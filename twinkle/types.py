@@ -176,7 +176,7 @@ class SaveRequest:
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] = field(default_factory=dict)
     sampling_session_id: str | None = None  # unnamed sampler save: the session to create
-    progress: dict[str, int] = field(default_factory=dict)  # cur_step, consumed_train_samples, ...
+    consumed_train_samples: int | None = None  # Twinkle save(): recorded with the trainer state
 
 
 @dataclass(frozen=True)
@@ -187,3 +187,5 @@ class LoadRequest:
     path: str  # tinker:// or twinkle:// path, already checked to belong to `owner`
     include_optimizer: bool = False
     lora: LoraSpec | None = None  # set when the load creates the adapter
+    restore_trainer: bool = False  # Twinkle resume: also the schedule, counters and progress
+    only_model: bool = False  # Twinkle resume_from_checkpoint(resume_only_model=True)

@@ -15,7 +15,6 @@ from twinkle.checkpoints import CheckpointRef, CheckpointStore, parse_checkpoint
 from twinkle.errors import InvalidRequest
 from twinkle.futures import FutureRecord, Op
 from twinkle.keys import Keys
-from twinkle.losses import validate_loss
 from twinkle.records import ModelRecord, SamplingSessionRecord
 from twinkle.types import (
     AdamParams,
@@ -27,6 +26,7 @@ from twinkle.types import (
     SaveRequest,
     input_length,
 )
+from workers.twinkle_ops import TwinkleOps
 
 
 class CheckpointIndex:
@@ -59,7 +59,7 @@ class ModelPoolHandlers:
     """Ops of a model pool: one backend holding one base model and many adapters."""
 
     def __init__(self, backend: ModelBackend, sampler: SamplerBackend | None, store: CheckpointStore,
-                 r: redis.Redis, keys: Keys) -> None:
+                 r: redis.Redis, keys: Keys, queue: str = "") -> None:
         self.backend = backend
         self.sampler = sampler
         self.store = store
@@ -67,6 +67,9 @@ class ModelPoolHandlers:
         self.r = r
         self.keys = keys
         self.live_adapters: set[str] = set()
+        self.twinkle = TwinkleOps(self)
+        self.queue = queue
+        r.delete(keys.pool_adapters(queue))  # a (re)started pool holds nothing yet
 
     def adapter_ids(self) -> list[str]:
         return sorted(self.live_adapters)
@@ -74,6 +77,12 @@ class ModelPoolHandlers:
     def drop_adapter(self, adapter_id: str) -> None:
         self.backend.remove_adapter(adapter_id)
         self.live_adapters.discard(adapter_id)
+        self.r.srem(self.keys.pool_adapters(self.queue), adapter_id)
+        self.twinkle.forget(adapter_id)
+
+    def _hold(self, adapter_id: str) -> None:
+        self.live_adapters.add(adapter_id)
+        self.r.sadd(self.keys.pool_adapters(self.queue), adapter_id)
 
     def table(self) -> dict[str, Any]:
         return {
@@ -86,19 +95,27 @@ class ModelPoolHandlers:
             Op.LOAD_STATE: self.load_state,
             Op.SAMPLE: self.sample,
             Op.UNLOAD_MODEL: self.unload_model,
+            Op.CONFIGURE: self.twinkle.configure,
+            Op.CLIP_GRAD_AND_STEP: self.twinkle.clip_grad_and_step,
+            Op.CALCULATE_METRIC: self.twinkle.calculate_metric,
+            Op.GET_TRAIN_CONFIGS: self.twinkle.get_train_configs,
+            Op.UPLOAD_TO_HUB: self.upload_to_hub,
         }
 
     def create_model(self, rec: FutureRecord, spec: LoraSpec) -> dict[str, Any]:
         self.backend.create_adapter(rec.model_id, spec)
-        self.live_adapters.add(rec.model_id)
+        self._hold(rec.model_id)
+        self.twinkle.forget(rec.model_id)
         return {"model_id": rec.model_id}
 
-    def forward(self, rec: FutureRecord, batch: ForwardBackwardInput) -> Any:
-        validate_loss(batch.loss_fn, batch.data, batch.loss_fn_config)
+    def forward(self, rec: FutureRecord, batch: ForwardBackwardInput | dict[str, Any]) -> Any:
+        if isinstance(batch, dict):  # Twinkle-native inputs
+            return self.twinkle.forward_only(rec, batch)
         return self.backend.forward(rec.model_id, batch)
 
-    def forward_backward(self, rec: FutureRecord, batch: ForwardBackwardInput) -> Any:
-        validate_loss(batch.loss_fn, batch.data, batch.loss_fn_config)
+    def forward_backward(self, rec: FutureRecord, batch: ForwardBackwardInput | dict[str, Any]) -> Any:
+        if isinstance(batch, dict):
+            return self.twinkle.forward_backward(rec, batch)
         return self.backend.forward_backward(rec.model_id, batch)
 
     def optim_step(self, rec: FutureRecord, params: AdamParams) -> dict[str, Any]:
@@ -110,6 +127,7 @@ class ModelPoolHandlers:
         try:
             if req.kind == "weights":
                 self.backend.save_state(rec.model_id, tmp, include_optimizer=req.include_optimizer)
+                self.twinkle.write_trainer_state(rec.model_id, tmp, req.consumed_train_samples)
             else:
                 self.backend.save_weights_for_sampler(rec.model_id, tmp)
             model = self._model(rec.model_id)
@@ -122,7 +140,7 @@ class ModelPoolHandlers:
                 "lora": model.lora if model else {},
                 "include_optimizer": req.include_optimizer and req.kind == "weights",
                 "user_metadata": req.user_metadata,
-                "progress": req.progress,
+                "progress": self.twinkle.trainer(rec.model_id).progress(),
                 "time": time.time(),
             }, overwrite=req.overwrite)
         except BaseException:
@@ -154,9 +172,20 @@ class ModelPoolHandlers:
             metadata = json.loads((directory / "checkpoint_metadata.json").read_text())
             spec = req.lora or LoraSpec(**_lora_fields(metadata.get("lora") or {}))
             self.backend.create_adapter(rec.model_id, spec)
-            self.live_adapters.add(rec.model_id)
+            self._hold(rec.model_id)
         self.backend.load_state(rec.model_id, directory, include_optimizer=req.include_optimizer)
-        return {"path": req.path, "model_id": rec.model_id}
+        result: dict[str, Any] = {"path": req.path, "model_id": rec.model_id}
+        if req.restore_trainer:
+            result["progress"] = self.twinkle.restore_trainer_state(rec.model_id, directory,
+                                                                    only_model=req.only_model)
+        return result
+
+    def upload_to_hub(self, rec: FutureRecord, req: dict[str, Any]) -> dict[str, Any]:
+        from twinkle.hub_upload import upload_checkpoint
+
+        directory = self.store.existing(rec.owner, parse_checkpoint_path(req["checkpoint_path"]))
+        return upload_checkpoint(directory, req["hub_model_id"], token=req.get("hub_token"),
+                                 private=bool(req.get("private", True)))
 
     def sample(self, rec: FutureRecord, req: SampleRequest) -> SampleOutput:
         if req.adapter_path is None and rec.model_id and self.backend.has_adapter(rec.model_id):

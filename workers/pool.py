@@ -23,6 +23,7 @@ from twinkle.checkpoints import CheckpointStore
 from twinkle.config import load_config
 from twinkle.futures import Op
 from twinkle.keys import Keys
+from workers import processor
 from workers.factory import build_model_backend, build_sampler, sampler_type_for_model_pool
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
 from workers.lifecycle import AdapterReaper
@@ -52,13 +53,14 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
     store = CheckpointStore(config.storage.checkpoint_dir)
     ttl = config.storage.future_ttl_seconds
     args = app.args
-    log.info("pool %s: loading %s (%s)", queue, args.model_id, getattr(args, "backend", None) or args.sampler_type)
+    if app.import_path != "processor":
+        log.info("pool %s: loading %s", queue, args.model_id)
     started = time.perf_counter()
     if app.import_path == "model":
         backend = build_model_backend(args)
         sampler = build_sampler(args.model_id, sampler_type_for_model_pool(args),
                                 max_loras=args.adapter_config.max_loras, torch_dtype=args.torch_dtype)
-        model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys)
+        model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys, queue)
         runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=ttl,
                               has_adapter=backend.has_adapter)
         adapters = args.adapter_config
@@ -72,8 +74,13 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
                                 engine_args=args.engine_args)
         runtime = PoolRuntime(r, keys, queue, SamplerPoolHandlers(sampler).table(), future_ttl=ttl)
         info = sampler.info
+    elif app.import_path == "processor":
+        runtime = PoolRuntime(r, keys, queue, processor.handlers(), future_ttl=ttl)
+        r.set(keys.pool_info(app.name), json.dumps({"processes": args.ncpu_proc_per_node}))
+        log.info("pool %s: ready", queue)
+        return runtime
     else:
-        raise SystemExit(f"application {app.name!r} ({app.import_path}) has no pool worker yet")
+        raise SystemExit(f"application {app.name!r} ({app.import_path}) has no pool worker")
     r.set(keys.pool_info(app.name), json.dumps(asdict(info)))
     log.info("pool %s: ready in %.1f s (%s)", queue, time.perf_counter() - started, info.model_name)
     return runtime
@@ -101,8 +108,12 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     for op in Op:
         _register(celery, runtime, op)
     threading.Thread(target=_heartbeat, args=(r, keys, runtime.queue, runtime), daemon=True).start()
+    # Model and sampler pools: one op at a time in one process that holds the model (threads, -c 1).
+    # Processor pools: stateless CPU work in parallel processes (prefork).
+    pool = ["-P", "prefork", "-c", str(app.args.ncpu_proc_per_node)] if app.import_path == "processor" \
+        else ["-P", "threads", "-c", "1"]
     celery.worker_main([
-        "worker", "-P", "threads", "-c", "1", "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",
+        "worker", *pool, "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",
         "--without-mingle", "--without-gossip", "-E", f"--loglevel={loglevel}",
     ])
 

@@ -62,18 +62,20 @@ async def try_again(ctx: ApiContext, record: FutureRecord) -> dict[str, Any]:
     else:
         position = await ctx.store.queue_position(record)
         reason = f"queued on {record.queue}, {position} ahead"
-    return {"type": "try_again", "request_id": record.request_id, "queue_state": "active",
+    queue_state = "active"
+    throttled = await ctx.limiter.over_limit(record.owner, record.queue)
+    if throttled:
+        queue_state, reason = "paused_rate_limit", f"{throttled}; this request is {reason}"
+    return {"type": "try_again", "request_id": record.request_id, "queue_state": queue_state,
             "queue_state_reason": reason, "status": record.status}
 
 
 def render_result(record: FutureRecord, result: Any, wants_proto: bool) -> Response | dict[str, Any]:
-    if record.op in (Op.FORWARD, Op.FORWARD_BACKWARD):
-        assert isinstance(result, ForwardBackwardOutput)
+    if isinstance(result, ForwardBackwardOutput):
         if wants_proto:
             return Response(encode_forward_backward_output(result), media_type=PROTOBUF)
         return JSONResponse(forward_output_json(result))
-    if record.op == Op.SAMPLE:
-        assert isinstance(result, SampleOutput)
+    if isinstance(result, SampleOutput):
         if wants_proto:
             return Response(encode_sample_output(result, result.prompt_length), media_type=PROTOBUF)
         return JSONResponse(sample_output_json(result))

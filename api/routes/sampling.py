@@ -79,6 +79,7 @@ async def asample(body: SampleBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     req = SampleRequest(prompt=prompt, params=params, num_samples=body.num_samples,
                         prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,
                         topk_prompt_logprobs=body.topk_prompt_logprobs, adapter_path=adapter_dir)
+    await ctx.limiter.admit(tenant, queue, input_tokens=input_length(prompt))
     rid = await ctx.store.submit(op=Op.SAMPLE, owner=tenant, model_id="", queue=queue, payload=req,
                                  seq_id=body.seq_id if dedupe_scope else None, dedupe_scope=dedupe_scope)
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}

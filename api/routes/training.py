@@ -23,7 +23,7 @@ from twinkle.errors import InvalidRequest, PayloadTooLarge
 from twinkle.futures import Op
 from twinkle.losses import validate_loss
 from twinkle.records import ModelRecord
-from twinkle.types import LoadRequest, LoraSpec, SaveRequest
+from twinkle.types import LoadRequest, LoraSpec, SaveRequest, input_length
 
 router = APIRouter()
 
@@ -108,6 +108,8 @@ async def _forward(request: Request, ctx: ApiContext, tenant: str, *, forward_on
     record = await ctx.store.model(meta.model_id, tenant)
     validate_loss(batch.loss_fn, batch.data, batch.loss_fn_config)
     await _check_lengths(ctx, record, batch)
+    tokens = sum(input_length(d.model_input) for d in batch.data)
+    await ctx.limiter.admit(tenant, record.queue, input_tokens=tokens)
     op = Op.FORWARD if (forward_only or meta.forward_only) else Op.FORWARD_BACKWARD
     rid = await ctx.store.submit(op=op, owner=tenant, model_id=record.model_id, queue=record.queue,
                                  payload=batch, seq_id=meta.seq_id)
@@ -148,6 +150,7 @@ async def optim_step(body: OptimStepBody, ctx: Ctx, tenant: Tenant) -> dict[str,
         raise InvalidRequest("optim_step needs adam_params.", hint="Only the Adam optimizer is supported.")
     record = await ctx.store.model(body.model_id, tenant)
     params = adam_params_from_json(body.adam_params.model_dump())
+    await ctx.limiter.admit(tenant, record.queue)
     rid = await ctx.store.submit(op=Op.OPTIM_STEP, owner=tenant, model_id=record.model_id,
                                  queue=record.queue, payload=params, seq_id=body.seq_id)
     return _future(rid, record.model_id)

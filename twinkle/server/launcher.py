@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from twinkle.broker import EmbeddedBroker, restore_unacked
-from twinkle.catalog import model_queue, sampler_queue
+from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.keys import Keys
 from twinkle.state.persistence import restore_snapshot, save_snapshot
 
@@ -69,6 +69,11 @@ def plan_children(config_path: str, config: Any, only: str | None, only_name: st
                 continue
             children.append(Child(f"worker {app.name}", [py, "-m", "workers", "-c", config_path, "--app", app.name],
                                   queue=sampler_queue(app.name), env=_app_env(app)))
+        for app in config.processor_apps():
+            if only_name and app.name != only_name:
+                continue
+            children.append(Child(f"worker {app.name}", [py, "-m", "workers", "-c", config_path, "--app", app.name],
+                                  queue=processor_queue(app.name), env=_app_env(app)))
     if only == "flower":
         children.append(Child("flower", [py, "-m", "twinkle.server.flower", "-c", config_path]))
     return children
