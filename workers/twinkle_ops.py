@@ -18,7 +18,7 @@ from twinkle.futures import FutureRecord
 from twinkle.trainer import TrainConfig, TrainerState, adam_params
 from twinkle.types import Datum, ForwardBackwardInput, ForwardBackwardOutput
 
-TRAINER_STATE_FILE = "trainer_state.json"
+TRAINER_STATE_FILE = "twinkle_trainer.json"  # the backends own trainer_state.json
 
 
 class AdapterTrainer:

@@ -1,0 +1,259 @@
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from twinkle.backends.hf.generation import generate
+from twinkle.backends.transformers_backend import TransformersBackend
+from twinkle.errors import InvalidRequest, NotFound
+from twinkle.samplers import torch_sampler
+from twinkle.samplers.torch_sampler import TorchSampler
+from twinkle.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardInput,
+    LoraSpec,
+    SampleOutput,
+    SampleRequest,
+    SamplingParams,
+    chunks_from_tokens,
+)
+
+TEST_DEVICE = os.environ.get("TWINKLE_TEST_DEVICE", "cpu")
+# Two tenants learn two different cycles of single letters, so greedy continuations tell the adapters apart
+# and stop strings can name letters.
+CYCLES = {"up": "abcdefghij", "down": "zyxwvutsrq"}
+
+
+@dataclass
+class Trained:
+    backend: TransformersBackend
+    paths: dict[str, Path]
+    up: list[int]  # token ids of "abcdefghij"
+    down: list[int]  # token ids of "zyxwvutsrq"
+
+
+def _ce_datum(tokens: list[int]) -> Datum:
+    return Datum(chunks_from_tokens(tokens[:-1]), {"target_tokens": np.asarray(tokens[1:], np.int64)})
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """A backend with two adapters trained on different cycles, and their sampler checkpoints."""
+    torch.set_num_threads(1)  # tiny matrices: threads only add contention on the test box
+    backend = TransformersBackend(str(tiny_model_dir), torch_dtype="float32", device=TEST_DEVICE)
+    cycles = {name: backend.shared.base.tokenizer.convert_tokens_to_ids(list(text)) for name, text in CYCLES.items()}
+    paths = {}
+    for seed, (name, cycle) in enumerate(cycles.items()):
+        backend.create_adapter(name, LoraSpec(rank=8, seed=seed))
+        for _ in range(20):
+            backend.forward_backward(name, ForwardBackwardInput([_ce_datum(cycle * 4)]))
+            backend.optim_step(name, AdamParams(learning_rate=3e-3))
+        paths[name] = tmp_path_factory.mktemp("sampler") / name
+        backend.save_weights_for_sampler(name, paths[name])
+    return Trained(backend, paths, cycles["up"], cycles["down"])
+
+
+@pytest.fixture
+def sampler(tiny_model_dir: Path) -> TorchSampler:
+    return TorchSampler(str(tiny_model_dir), torch_dtype="float32", device=TEST_DEVICE)
+
+
+def _request(prompt: list[int], path: Path | None, **params: object) -> SampleRequest:
+    options: dict[str, object] = {"max_tokens": 8, "temperature": 0.0, "stop_at_eos": False, **params}
+    num_samples = int(options.pop("num_samples", 1))  # type: ignore[call-overload]
+    return SampleRequest(
+        chunks_from_tokens(prompt),
+        SamplingParams(**options),  # type: ignore[arg-type]
+        num_samples=num_samples,
+        adapter_path=None if path is None else str(path),
+    )
+
+
+def _tokens(output: SampleOutput) -> list[list[int]]:
+    return [sequence.tokens for sequence in output.sequences]
+
+
+def test_greedy_sampling_continues_each_adapters_pattern(sampler: TorchSampler, trained: Trained) -> None:
+    up, down = sampler.sample(
+        [_request(trained.up[:3], trained.paths["up"]), _request(trained.down[:3], trained.paths["down"])]
+    )
+    assert _tokens(up) == [(trained.up * 2)[3:11]]
+    assert _tokens(down) == [(trained.down * 2)[3:11]]
+    assert up.sequences[0].stop_reason == "length"
+
+
+def test_prompt_logprobs_equal_the_trainers_forward_logprobs(sampler: TorchSampler, trained: Trained) -> None:
+    prompt = (trained.up * 4)[3:25]
+    request = _request(prompt, trained.paths["up"], max_tokens=1)
+    request.prompt_logprobs = True
+
+    (output,) = sampler.sample([request])
+    forward = trained.backend.forward("up", ForwardBackwardInput([_ce_datum(prompt)])).loss_fn_outputs[0]["logprobs"]
+
+    assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
+    np.testing.assert_allclose(np.array(output.prompt_logprobs[1:], dtype=np.float64), forward, atol=1e-4)
+
+
+def test_sampled_logprobs_are_the_raw_models_logprobs_of_the_sampled_tokens(
+    sampler: TorchSampler, trained: Trained
+) -> None:
+    prompt = trained.up[:3]
+    (output,) = sampler.sample([_request(prompt, trained.paths["up"], temperature=0.7, top_k=20, seed=3, max_tokens=6)])
+    sequence = output.sequences[0]
+
+    tokens = prompt + sequence.tokens
+    forward = trained.backend.forward("up", ForwardBackwardInput([_ce_datum(tokens)])).loss_fn_outputs[0]["logprobs"]
+
+    np.testing.assert_allclose(sequence.logprobs, forward[len(prompt) - 1 :], atol=1e-4)
+
+
+def test_a_mixed_adapter_batch_matches_one_request_at_a_time(
+    sampler: TorchSampler, trained: Trained, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = trained.paths
+    requests = [
+        _request(trained.up[:2], paths["up"]),
+        _request(trained.down[:4], paths["down"], temperature=1.0, seed=11, num_samples=3),
+        _request([5, 6, 7], None, temperature=0.8, top_p=0.9, seed=2),
+        _request(trained.up[4:7], paths["up"], temperature=1.0, seed=4, num_samples=2, max_tokens=3),
+    ]
+
+    generations = []
+
+    def counted(*args: object) -> list[SampleOutput]:
+        generations.append(args)
+        return generate(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch_sampler, "generate", counted)
+    together = sampler.sample(requests)
+    assert len(generations) == 1  # two adapters and the base model in one batched generation
+    alone = [sampler.sample([request])[0] for request in requests]
+
+    for batched, single in zip(together, alone, strict=True):
+        assert _tokens(batched) == _tokens(single)
+        for a, b in zip(batched.sequences, single.sequences, strict=True):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert [len(output.sequences) for output in together] == [1, 3, 1, 2]
+
+
+def test_the_same_seed_gives_the_same_samples(sampler: TorchSampler, trained: Trained) -> None:
+    path = trained.paths["up"]
+    request = _request([7, 8, 9], path, temperature=1.0, seed=123, num_samples=4, max_tokens=10)
+    first, second = sampler.sample([request]), sampler.sample([request])
+    other = sampler.sample([_request([7, 8, 9], path, temperature=1.0, seed=124, num_samples=4, max_tokens=10)])
+    assert _tokens(first[0]) == _tokens(second[0])
+    assert _tokens(first[0]) != _tokens(other[0])
+    assert len(set(map(tuple, _tokens(first[0])))) > 1  # the samples of one request differ from each other
+
+
+def test_top_k_of_one_and_a_tiny_top_p_are_greedy(sampler: TorchSampler) -> None:
+    greedy = sampler.sample([_request([20, 21, 22], None)])[0]
+    for params in ({"top_k": 1}, {"top_p": 1e-6}):
+        filtered = sampler.sample([_request([20, 21, 22], None, temperature=1.0, seed=9, **params)])[0]
+        assert _tokens(filtered) == _tokens(greedy)
+
+
+def test_generation_stops_at_stop_tokens_strings_and_length(sampler: TorchSampler, trained: Trained) -> None:
+    a, b, c, d, e, f = trained.up[:6]
+    path = trained.paths["up"]
+    by_token, by_string, by_length = sampler.sample(
+        [
+            _request([a, b], path, stop_token_ids=(e,)),
+            _request([a, b], path, stop_strings=("xyz", "def")),
+            _request([a, b], path, max_tokens=2),
+        ]
+    )
+    assert by_token.sequences[0].tokens == [c, d, e] and by_token.sequences[0].stop_reason == "stop"
+    assert by_string.sequences[0].tokens == [c, d, e, f] and by_string.sequences[0].stop_reason == "stop"
+    assert by_length.sequences[0].tokens == [c, d] and by_length.sequences[0].stop_reason == "length"
+
+
+def test_eos_stops_generation_only_when_stop_at_eos_is_set(sampler: TorchSampler, trained: Trained) -> None:
+    a, b, c, d, e = trained.up[:5]
+    path = trained.paths["up"]
+    # The tiny model never favours its real EOS, so declare a letter of the learned cycle to be EOS.
+    sampler.shared.base.eos_token_ids = frozenset({e})
+    at_eos, through_eos = sampler.sample(
+        [_request([a, b], path, stop_at_eos=True), _request([a, b], path, stop_at_eos=False)]
+    )
+    assert at_eos.sequences[0].tokens == [c, d, e] and at_eos.sequences[0].stop_reason == "stop"
+    assert len(through_eos.sequences[0].tokens) == 8 and through_eos.sequences[0].stop_reason == "length"
+
+
+def test_top_k_prompt_logprobs_are_sorted_and_start_empty(sampler: TorchSampler) -> None:
+    request = _request([30, 31, 32, 33], None, max_tokens=0)
+    request.prompt_logprobs = True
+    request.topk_prompt_logprobs = 3
+
+    (output,) = sampler.sample([request])
+
+    assert output.topk_prompt_logprobs is not None and output.prompt_logprobs is not None
+    assert output.topk_prompt_logprobs[0] == [] and len(output.topk_prompt_logprobs) == 4
+    for position, top in enumerate(output.topk_prompt_logprobs[1:], start=1):
+        values = [value for _, value in top]
+        assert len(top) == 3 and values == sorted(values, reverse=True)
+        assert values[0] >= output.prompt_logprobs[position]  # type: ignore[operator]
+    assert output.sequences[0].tokens == [] and output.sequences[0].stop_reason == "length"
+
+
+def test_adapters_beyond_max_loras_are_evicted_least_recently_used(
+    tiny_model_dir: Path, trained: Trained, tmp_path: Path
+) -> None:
+    paths, up, down = trained.paths, trained.up, trained.down
+    third = tmp_path / "third"
+    shutil.copytree(paths["up"], third)
+    sampler = TorchSampler(str(tiny_model_dir), max_loras=2, torch_dtype="float32", device=TEST_DEVICE)
+
+    outputs = sampler.sample(
+        [_request(up[:2], paths["up"]), _request(down[:2], paths["down"]), _request(up[:2], third)]
+    )
+
+    assert _tokens(outputs[0]) == _tokens(outputs[2]) == [up[2:10]]
+    assert _tokens(outputs[1]) == [down[2:10]]
+    assert len(sampler.loaded_adapters) == 2
+    assert sampler.shared.adapters == sampler.loaded_adapters
+
+
+def test_missing_checkpoints_and_bad_parameters_are_user_errors(sampler: TorchSampler, tmp_path: Path) -> None:
+    with pytest.raises(NotFound):
+        sampler.sample([_request([1, 2], tmp_path / "nothing")])
+    with pytest.raises(InvalidRequest, match="top_p"):
+        sampler.sample([_request([1, 2], None, top_p=0.0)])
+    with pytest.raises(InvalidRequest, match="empty prompt"):
+        sampler.sample([_request([], None)])
+
+
+def test_a_checkpoint_rewritten_in_place_is_loaded_again(
+    sampler: TorchSampler, trained: Trained, tmp_path: Path
+) -> None:
+    moving = tmp_path / "moving"
+    shutil.copytree(trained.paths["up"], moving)
+    before = sampler.sample([_request(trained.down[:2], moving)])[0]
+    shutil.rmtree(moving)
+    shutil.copytree(trained.paths["down"], moving)
+
+    after = sampler.sample([_request(trained.down[:2], moving)])[0]
+
+    assert _tokens(after) == [trained.down[2:10]] != _tokens(before)
+
+
+def test_sampler_weights_of_another_shape_are_a_user_error(
+    sampler: TorchSampler, trained: Trained, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(trained.paths["up"], broken)
+    weights = load_file(broken / "adapter_model.safetensors")
+    weights = {key: torch.zeros(value.shape[0] + 1, *value.shape[1:]) for key, value in weights.items()}
+    save_file(weights, broken / "adapter_model.safetensors")
+
+    with pytest.raises(InvalidRequest, match="do not fit"):
+        sampler.sample([_request([1, 2], broken)])
+    assert sampler.loaded_adapters == [] and sampler.shared.adapters == []

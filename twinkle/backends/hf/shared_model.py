@@ -1,0 +1,141 @@
+"""One base model carrying many named LoRA adapters through a single PeftModel.
+
+The PeftModel is made on the first adapter and kept afterwards (PEFT leaves empty LoRA wrappers when the last
+adapter goes, which behave like the base layers). Only the active adapter's parameters require grad, so a
+backward pass never touches another tenant's weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from torch import nn
+
+from twinkle.backends.hf.loading import BaseModel
+
+BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" rows in a mixed batch
+
+
+class SharedModel:
+    """Adds, removes, activates and runs named LoRA adapters on one base model."""
+
+    def __init__(self, base: BaseModel) -> None:
+        self.base = base
+        self.peft: PeftModel | None = None
+        self.unembed_module = _module_name(base.model, base.model.get_output_embeddings())
+        # transformers renamed `past_key_values` to `cache` (5.2x); speak whichever this version understands.
+        forward_parameters = inspect.signature(base.model.forward).parameters
+        self.cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"
+        self.accepts_logits_to_keep = "logits_to_keep" in forward_parameters
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self.peft.peft_config) if self.peft is not None else []
+
+    def has_adapter(self, name: str) -> bool:
+        return self.peft is not None and name in self.peft.peft_config
+
+    def add_adapter(self, name: str, config: LoraConfig, *, seed: int) -> None:
+        """Inject a fresh adapter whose initial weights depend on `seed` only."""
+        # PEFT initializes LoRA weights on the CPU before moving them, so seeding the CPU generator suffices.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if self.peft is None:
+                self.peft = get_peft_model(self.base.model, config, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, config)
+        self.activate(name)
+
+    def load_adapter(self, name: str, directory: Path) -> None:
+        """Add an adapter from a PEFT directory (adapter_config.json + weights), frozen, for inference.
+
+        On failure (weights of another shape) nothing of the adapter stays behind.
+        """
+        if self.peft is None:
+            # Wrap first and load second, so a failed load leaves a PeftModel we can remove the adapter from.
+            config = LoraConfig.from_pretrained(str(directory))
+            config.inference_mode = True
+            self.peft = get_peft_model(self.base.model, config, adapter_name=name)
+        try:
+            self.peft.load_adapter(str(directory), adapter_name=name, is_trainable=False)
+        except Exception:
+            self.delete_adapter(name)
+            raise
+        self.peft.eval()
+
+    def delete_adapter(self, name: str) -> None:
+        if self.has_adapter(name):
+            assert self.peft is not None
+            others = [other for other in self.adapters if other != name]
+            if self.peft.active_adapter == name and others:
+                # Hand the active role on first, frozen, instead of letting PEFT warn and pick one.
+                self.peft.set_adapter(others[0], inference_mode=True)
+            self.peft.delete_adapter(name)
+
+    def config(self, name: str) -> LoraConfig:
+        assert self.peft is not None
+        config = self.peft.peft_config[name]
+        assert isinstance(config, LoraConfig)
+        return config
+
+    def parameters(self, name: str) -> list[nn.Parameter]:
+        """The adapter's parameters in a fixed order (the model's), so optimizer states line up on reload."""
+        assert self.peft is not None
+        marker = f".{name}."
+        return [param for key, param in self.peft.named_parameters() if marker in f"{key}."]
+
+    def activate(self, name: str) -> None:
+        """Make `name` the adapter that runs and the only one that requires grad."""
+        assert self.peft is not None
+        self.peft.set_adapter(name)
+
+    def state_dict(self, name: str) -> dict[str, torch.Tensor]:
+        """The adapter's weights under PEFT's file keys (adapter name removed)."""
+        assert self.peft is not None
+        return get_peft_model_state_dict(self.peft, adapter_name=name, save_embedding_layers=False)
+
+    def load_state_dict(self, name: str, state: dict[str, torch.Tensor]) -> None:
+        assert self.peft is not None
+        with torch.no_grad():
+            set_peft_model_state_dict(self.peft, state, adapter_name=name)
+
+    @contextmanager
+    def adapters_disabled(self) -> Iterator[None]:
+        """Run the plain base model (the reference policy) inside this block."""
+        if self.peft is None or not self.adapters:
+            yield
+            return
+        with self.peft.disable_adapter():
+            yield
+
+    def __call__(self, adapter_names: Sequence[str] | None = None, **model_inputs: Any) -> Any:
+        """Run the model: with the active adapter, or per row with `adapter_names` (inference only)."""
+        if adapter_names is None or self.peft is None or not self.adapters:
+            if adapter_names is not None and any(name != BASE_ADAPTER for name in adapter_names):
+                raise ValueError(f"unknown adapters in {sorted(set(adapter_names))}")
+            return self.base.model(**model_inputs)
+        # The forward hooks that route rows to adapters only install while some adapter is active.
+        if self.peft.active_adapter not in self.peft.peft_config:
+            self.peft.set_adapter(self.adapters[0], inference_mode=True)
+        return self.peft(adapter_names=list(adapter_names), **model_inputs)
+
+    def kv_cache(self, output: Any) -> Any:
+        """The KV cache a forward with use_cache=True returned."""
+        return getattr(output, self.cache_argument)
+
+    def train(self, mode: bool) -> None:
+        (self.peft if self.peft is not None else self.base.model).train(mode)
+
+
+def _module_name(model: nn.Module, target: nn.Module | None) -> str:
+    for name, module in model.named_modules():
+        if module is target:
+            return name.rsplit(".", 1)[-1]
+    return "lm_head"

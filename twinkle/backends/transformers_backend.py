@@ -1,0 +1,173 @@
+"""The `transformers` backend: many tenants' LoRA adapters trained on one shared HuggingFace model.
+
+The base model is loaded once and frozen. Each tenant gets a named PEFT adapter on the same PeftModel plus
+its own AdamW optimizer, step counter and random stream (`hf.tenant`). Gradients accumulate on the tenant's
+own parameters, and only the active tenant's parameters require grad, so interleaving tenants' calls
+gives the same result as running them one after another.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from pathlib import Path
+
+import torch
+
+from twinkle.backends import torch_losses
+from twinkle.backends.hf import checkpoint
+from twinkle.backends.hf.batching import PaddedBatch, check_model_inputs, collate, target_logprobs
+from twinkle.backends.hf.generation import generate
+from twinkle.backends.hf.loading import load_base_model
+from twinkle.backends.hf.lora import lora_config
+from twinkle.backends.hf.shared_model import BASE_ADAPTER, SharedModel
+from twinkle.backends.hf.tenant import RngState, Tenant, adam_step, new_optimizer
+from twinkle.errors import InvalidRequest, LimitExceeded, NotFound
+from twinkle.types import (
+    AdamParams,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    LoraSpec,
+    ModelInfo,
+    SampleOutput,
+    SampleRequest,
+)
+
+
+class TransformersBackend:
+    """Implements `twinkle.backends.base.ModelBackend` with transformers + PEFT."""
+
+    def __init__(
+        self,
+        model_id: str,
+        *,
+        torch_dtype: str = "auto",
+        max_loras: int = 8,
+        max_length: int | None = None,
+        device: str | None = None,
+        trust_remote_code: bool | None = None,
+    ) -> None:
+        if max_loras < 1:
+            raise InvalidRequest(f"max_loras must be at least 1, got {max_loras}.")
+        base = load_base_model(
+            model_id,
+            torch_dtype=torch_dtype,
+            device=device,
+            trust_remote_code_flag=trust_remote_code,
+            max_length=max_length,
+        )
+        self.shared = SharedModel(base)
+        self.info: ModelInfo = base.info
+        self.max_loras = max_loras
+        self._tenants: dict[str, Tenant] = {}
+        self._names = (f"tenant_{number}" for number in itertools.count())
+
+    @property
+    def device(self) -> torch.device:
+        return self.shared.base.device
+
+    # Adapters
+
+    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
+        if adapter_id in self._tenants:
+            raise InvalidRequest(f"Adapter {adapter_id} already exists on this replica.")
+        if len(self._tenants) >= self.max_loras:
+            raise LimitExceeded(
+                f"All {self.max_loras} LoRA slots of this replica are in use ({len(self._tenants)} adapters).",
+                hint="Unload an adapter or wait for idle ones to expire.",
+                max_loras=self.max_loras,
+            )
+        config = lora_config(spec, base_model_name=self.info.model_name, unembed_module=self.shared.unembed_module)
+        seed = spec.seed if spec.seed is not None else secrets.randbits(63)
+        name = next(self._names)
+        try:
+            self.shared.add_adapter(name, config, seed=seed)
+        except ValueError as error:  # PEFT: target modules not found in this architecture
+            self.shared.delete_adapter(name)
+            raise InvalidRequest(f"Cannot build this LoRA adapter on {self.info.model_name}: {error}") from error
+        params = self.shared.parameters(name)
+        rng = RngState.seeded(seed, self.device)
+        self._tenants[adapter_id] = Tenant(adapter_id, name, spec, seed, params, new_optimizer(params), rng)
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        tenant = self._tenants.pop(adapter_id, None)
+        if tenant is not None:
+            tenant.zero_grad()
+            self.shared.delete_adapter(tenant.name)
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return adapter_id in self._tenants
+
+    def _tenant(self, adapter_id: str) -> Tenant:
+        tenant = self._tenants.get(adapter_id)
+        if tenant is None:
+            raise NotFound(f"No adapter {adapter_id} on this replica.", hint="Create the model first.")
+        return tenant
+
+    # Compute
+
+    def forward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
+        return self._run(self._tenant(adapter_id), batch, backward=False)
+
+    def forward_backward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
+        return self._run(self._tenant(adapter_id), batch, backward=True)
+
+    def _run(self, tenant: Tenant, batch: ForwardBackwardInput, *, backward: bool) -> ForwardBackwardOutput:
+        config = torch_losses.validate(batch.loss_fn, batch.data, batch.loss_fn_config)
+        check_model_inputs(batch.data, vocab_size=self.info.vocab_size, max_length=self.info.max_context_length)
+        inputs = [torch_losses.datum_inputs(batch.loss_fn, datum) for datum in batch.data]
+        padded = collate(batch.data, inputs, pad_token_id=self.shared.base.pad_token_id, device=self.device)
+        self.shared.activate(tenant.name)
+        reference = self._reference_logprobs(padded) if torch_losses.needs_reference(batch.loss_fn, config) else None
+        self.shared.train(backward)  # LoRA dropout is on while training only
+        with tenant.rng.active(self.device), torch.set_grad_enabled(backward):
+            lp = self._logprobs(padded)
+            loss_batch = torch_losses.LossBatch(lp, padded.inputs, padded.mask, reference)
+            terms = torch_losses.compute_loss(batch.loss_fn, loss_batch, config)
+            if backward:
+                terms.total.backward()
+        outputs = [
+            {"logprobs": logprobs, "elementwise_loss": losses}
+            for logprobs, losses in zip(padded.unpad(lp), padded.unpad(terms.elementwise), strict=True)
+        ]
+        return ForwardBackwardOutput(outputs, {"loss:sum": float(terms.total.detach()), **terms.metrics})
+
+    def _logprobs(self, padded: PaddedBatch) -> torch.Tensor:
+        output = self.shared(input_ids=padded.input_ids, attention_mask=padded.attention_mask, use_cache=False)
+        return target_logprobs(output.logits, padded.targets)
+
+    def _reference_logprobs(self, padded: PaddedBatch) -> torch.Tensor:
+        """The base model's logprobs for the same batch: the tenant's adapter switched off, no second copy."""
+        self.shared.train(False)
+        with torch.no_grad(), self.shared.adapters_disabled():
+            return self._logprobs(padded)
+
+    def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
+        return adam_step(self._tenant(adapter_id), params)
+
+    # Checkpoints
+
+    def save_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
+        tenant = self._tenant(adapter_id)
+        checkpoint.save_adapter(self.shared, tenant.name, directory)
+        if include_optimizer:
+            checkpoint.save_training_state(tenant, directory)
+
+    def load_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
+        tenant = self._tenant(adapter_id)
+        checkpoint.load_adapter(self.shared, tenant, directory)
+        tenant.zero_grad()
+        if include_optimizer:
+            checkpoint.load_training_state(tenant, directory, self.device)
+        else:
+            tenant.optimizer = new_optimizer(tenant.params)
+            tenant.steps = 0
+
+    def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
+        checkpoint.save_adapter(self.shared, self._tenant(adapter_id).name, directory)
+
+    # Sampling
+
+    def sample(self, adapter_id: str | None, requests: list[SampleRequest]) -> list[SampleOutput]:
+        name = BASE_ADAPTER if adapter_id is None else self._tenant(adapter_id).name
+        return generate(self.shared, requests, [name] * len(requests))
