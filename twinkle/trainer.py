@@ -6,7 +6,7 @@ just calls `forward_backward(inputs=batch)` and `clip_grad_and_step()`. Every na
 registry here, never through an import path, and an unknown name is a user error listing the valid
 ones. The trainer turns those calls into backend ops: the configured loss, gradient accumulation
 over `gradient_accumulation_steps` micro-batches, the scheduled learning rate and clipping. Its
-state is saved in checkpoints (`trainer_state.json`) so that resuming restores the schedule too.
+state is saved in checkpoints (`twinkle_trainer.json`) so that resuming restores the schedule too.
 """
 
 from __future__ import annotations
