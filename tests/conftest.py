@@ -21,3 +21,12 @@ def mock_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) 
     server = launch(tmp_path_factory.mktemp("mock-server"), tiny_model_dir, db=11, sampler=True, processor=True)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def transformers_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[LaunchedServer]:
+    """The same layout on the transformers backend with a torch sampler pool (CPU, float32)."""
+    server = launch(tmp_path_factory.mktemp("hf-server"), tiny_model_dir, db=14, backend="transformers",
+                    sampler=True, env={"OMP_NUM_THREADS": "1"})
+    yield server
+    server.stop()
