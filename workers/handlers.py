@@ -26,6 +26,7 @@ from twinkle.types import (
     SaveRequest,
     input_length,
 )
+from workers.batcher import SampleBatcher
 from workers.twinkle_ops import TwinkleOps
 
 
@@ -207,14 +208,16 @@ class ModelPoolHandlers:
 
 
 class SamplerPoolHandlers:
-    def __init__(self, sampler: SamplerBackend) -> None:
-        self.sampler = sampler
+    """A sampler pool serves several sample tasks at once through one batcher."""
+
+    def __init__(self, sampler: SamplerBackend, max_batch: int) -> None:
+        self.batcher = SampleBatcher(sampler, max_batch)
 
     def table(self) -> dict[str, Any]:
         return {Op.SAMPLE: self.sample}
 
     def sample(self, rec: FutureRecord, req: SampleRequest) -> SampleOutput:
-        out = self.sampler.sample([req])[0]
+        out = self.batcher.sample(req)
         out.prompt_length = input_length(req.prompt)
         return out
 

@@ -72,10 +72,11 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
     elif app.import_path == "sampler":
         sampler = build_sampler(args.model_id, args.sampler_type, max_loras=args.adapter_config.max_loras,
                                 engine_args=args.engine_args)
-        runtime = PoolRuntime(r, keys, queue, SamplerPoolHandlers(sampler).table(), future_ttl=ttl)
+        runtime = PoolRuntime(r, keys, queue, SamplerPoolHandlers(sampler, sampler_slots(args)).table(),
+                              future_ttl=ttl, serialize=False)
         info = sampler.info
     elif app.import_path == "processor":
-        runtime = PoolRuntime(r, keys, queue, processor.handlers(), future_ttl=ttl)
+        runtime = PoolRuntime(r, keys, queue, processor.handlers(), future_ttl=ttl, serialize=False)
         r.set(keys.pool_info(app.name), json.dumps({"processes": args.ncpu_proc_per_node}))
         log.info("pool %s: ready", queue)
         return runtime
@@ -84,6 +85,12 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
     r.set(keys.pool_info(app.name), json.dumps(asdict(info)))
     log.info("pool %s: ready in %.1f s (%s)", queue, time.perf_counter() - started, info.model_name)
     return runtime
+
+
+def sampler_slots(args: Any) -> int:
+    """How many sample requests a sampler pool batches together."""
+    engine = getattr(args, "engine_args", None) or {}
+    return int(engine.get("max_num_seqs") or 16)  # vLLM's name for its batch size
 
 
 def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime) -> None:
@@ -110,8 +117,12 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     threading.Thread(target=_heartbeat, args=(r, keys, runtime.queue, runtime), daemon=True).start()
     # Model and sampler pools: one op at a time in one process that holds the model (threads, -c 1).
     # Processor pools: stateless CPU work in parallel processes (prefork).
-    pool = ["-P", "prefork", "-c", str(app.args.ncpu_proc_per_node)] if app.import_path == "processor" \
-        else ["-P", "threads", "-c", "1"]
+    if app.import_path == "processor":
+        pool = ["-P", "prefork", "-c", str(app.args.ncpu_proc_per_node)]
+    elif app.import_path == "sampler":
+        pool = ["-P", "threads", "-c", str(sampler_slots(app.args))]  # stateless: batched, may reorder
+    else:
+        pool = ["-P", "threads", "-c", "1"]
     celery.worker_main([
         "worker", *pool, "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",
         "--without-mingle", "--without-gossip", "-E", f"--loglevel={loglevel}",

@@ -6,6 +6,7 @@ which never raises, so every message is acked exactly when its future reached a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ Handler = Callable[[FutureRecord, Any], Any]
 
 class PoolRuntime:
     def __init__(self, r: redis.Redis, keys: Keys, queue: str, handlers: dict[str, Handler], *,
-                 future_ttl: int, has_adapter: Callable[[str], bool] | None = None) -> None:
+                 future_ttl: int, has_adapter: Callable[[str], bool] | None = None, serialize: bool = True) -> None:
         self.r = r
         self.keys = keys
         self.queue = queue
@@ -36,7 +37,9 @@ class PoolRuntime:
         self.future_ttl = future_ttl
         self.has_adapter = has_adapter
         self.ops_done = 0
-        self.lock = threading.Lock()  # ops and the adapter reaper never touch the backend at once
+        # Model pools: ops and the adapter reaper never touch the backend at once. Sampler and processor
+        # pools run several ops concurrently (their handlers synchronise what they share).
+        self.lock: Any = threading.Lock() if serialize else contextlib.nullcontext()
         self._begin_script = r.register_script(_BEGIN)
 
     def execute(self, op: str, request_id: str) -> None:

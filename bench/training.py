@@ -1,0 +1,195 @@
+"""Transformers backend through the server vs in process, on the tiny model (CPU).
+
+    python bench/training.py [--steps 20]
+
+(a) Server overhead: one training step (batch 8 x 128 tokens, LoRA rank 16 on all linear layers, AdamW)
+    through a launched server and the Tinker SDK, vs the same step in-process with plain
+    transformers + PEFT. Target ratio <= 1.15.
+(b) Memory: RSS of the model pool with 1, 8 and 32 adapters (each trained one step so its Adam moments
+    exist); growth per adapter vs the adapter's own size (weights + gradients + two Adam moments).
+(c) Sampler: tokens/s for 16 concurrent requests over 4 adapters through the sampler pool, vs one
+    in-process batched generation of the same requests. Target >= 0.8x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.harness import launch
+from twinkle.tiny_model import ensure_tiny_model
+
+SEQ, BATCH, RANK = 128, 8, 16
+
+
+def token_rows(vocab: int) -> list[list[int]]:
+    return [[(31 * i + 7 * row) % (vocab - 10) + 6 for i in range(SEQ + 1)] for row in range(BATCH)]
+
+
+def in_process_step_ms(model_dir: Path, steps: int) -> float:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=32, target_modules="all-linear"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    rows = torch.tensor(token_rows(model.config.vocab_size))
+    inputs, labels = rows[:, :-1], rows[:, 1:]
+    times = []
+    for i in range(steps + 3):
+        started = time.perf_counter()
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 reduction="sum")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i >= 3:
+            times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def server_step_ms(base_url: str, vocab: int, steps: int) -> float:
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=base_url, api_key="tml-bench-training")
+    tc = service.create_lora_training_client(base_model="tiny-qwen", rank=RANK).result()
+    data = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
+                        loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * SEQ}) for r in token_rows(vocab)]
+    times = []
+    for i in range(steps + 3):
+        started = time.perf_counter()
+        fb = tc.forward_backward(data, "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=1e-4))
+        fb.result()
+        opt.result()
+        if i >= 3:
+            times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def worker_rss_mb(server: Any, queue: str = "model.models-tiny.0") -> float:
+    return float(psutil.Process(server.worker_pid(queue)).memory_info().rss / 2**20)
+
+
+def adapter_bytes(model_dir: Path) -> int:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_dir)),
+                           LoraConfig(r=RANK, target_modules="all-linear"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable * 4 * 4  # weights, gradients, two Adam moments, float32
+
+
+def memory_rows(server: Any, model_dir: Path) -> None:
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench-memory")
+    datum = types.Datum(model_input=types.ModelInput.from_ints(list(range(10, 42))),
+                        loss_fn_inputs={"target_tokens": list(range(11, 43)), "weights": [1.0] * 32})
+    base = worker_rss_mb(server)
+    created = 0
+    print(f"model pool RSS before adapters: {base:.1f} MB; one adapter's own size "
+          f"(weights+grads+2 Adam moments): {adapter_bytes(model_dir) / 2**20:.3f} MB")
+    for target in (1, 8, 32):
+        while created < target:
+            tc = service.create_lora_training_client(base_model="tiny-qwen", rank=RANK).result()
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(types.AdamParams()).result()
+            created += 1
+        rss = worker_rss_mb(server)
+        print(f"  {target:>2} adapters: RSS {rss:7.1f} MB, +{(rss - base) / target:.3f} MB per adapter")
+
+
+def sampler_rows(server: Any, model_dir: Path, n_requests: int = 16, n_adapters: int = 4, max_tokens: int = 32
+                 ) -> None:
+    import tinker
+    from tinker import types
+
+    from twinkle.samplers.torch_sampler import TorchSampler
+    from twinkle.types import SampleRequest, SamplingParams, chunks_from_tokens
+
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench-sampler")
+    paths, clients = [], []
+    for k in range(n_adapters):
+        tc = service.create_lora_training_client(base_model="tiny-qwen", rank=RANK, seed=k).result()
+        paths.append(tc.save_weights_for_sampler(f"bench-{k}").result().path)
+        clients.append(service.create_sampling_client(model_path=paths[-1]).result())
+    prompt = list(range(20, 36))
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1, stop=[])
+    for c in clients:  # warm the LRU
+        c.sample(types.ModelInput.from_ints(prompt), 1, params).result()
+    tokens = [0] * n_requests
+
+    def one(i: int) -> None:
+        out = clients[i % n_adapters].sample(types.ModelInput.from_ints(prompt), 1, params).result()
+        tokens[i] = len(out.sequences[0].tokens)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n_requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    served = sum(tokens) / (time.perf_counter() - started)
+
+    from twinkle.auth import tenant_id
+    from twinkle.checkpoints import CheckpointStore, parse_checkpoint_path
+
+    store = CheckpointStore(server.config["storage"]["checkpoint_dir"])
+    dirs = [str(store.existing(tenant_id("tml-bench-sampler"), parse_checkpoint_path(p))) for p in paths]
+    sampler = TorchSampler(str(model_dir), max_loras=n_adapters, torch_dtype="float32")
+    requests = [SampleRequest(prompt=chunks_from_tokens(prompt), adapter_path=dirs[i % n_adapters],
+                              params=SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1, stop_at_eos=False))
+                for i in range(n_requests)]
+    sampler.sample(requests[:n_adapters])
+    started = time.perf_counter()
+    outs = sampler.sample(requests)
+    local = sum(len(o.sequences[0].tokens) for o in outs) / (time.perf_counter() - started)
+    print(f"sampler, {n_requests} concurrent requests over {n_adapters} adapters: {served:7.1f} tokens/s "
+          f"through the server vs {local:7.1f} tokens/s in-process batched generate = {served / local:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    ns = parser.parse_args()
+    threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(threads))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model_dir = ensure_tiny_model(work / "tiny-qwen")
+        vocab = 512
+        local = in_process_step_ms(model_dir, ns.steps)
+        server = launch(work, model_dir, db=10, backend="transformers", sampler=True, max_loras=40,
+                        env={"OMP_NUM_THREADS": threads})
+        try:
+            remote = server_step_ms(server.base_url, vocab, ns.steps)
+            print(f"(a) training step, batch {BATCH}x{SEQ}, rank {RANK}: server {remote:.1f} ms vs in-process "
+                  f"{local:.1f} ms = {remote / local:.3f}x  (torch threads: {threads})")
+            print("(b)", end=" ")
+            memory_rows(server, model_dir)
+            print("(c)", end=" ")
+            sampler_rows(server, model_dir)
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

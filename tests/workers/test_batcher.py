@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from twinkle.errors import InvalidRequest
+from twinkle.types import SampledSequence, SampleOutput, SampleRequest, chunks_from_tokens
+from workers.batcher import SampleBatcher
+
+
+class RecordingSampler:
+    """Echoes each prompt's first token; slow enough that concurrent requests pile up."""
+
+    def __init__(self) -> None:
+        self.batch_sizes: list[int] = []
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleOutput]:
+        self.batch_sizes.append(len(requests))
+        time.sleep(0.05)
+        outputs = []
+        for req in requests:
+            first = int(req.prompt[0].tokens[0])  # type: ignore[union-attr]
+            if first < 0:
+                raise InvalidRequest("negative token")
+            outputs.append(SampleOutput([SampledSequence([first], [0.0], "length")]))
+        return outputs
+
+
+def request(token: int) -> SampleRequest:
+    return SampleRequest(prompt=chunks_from_tokens([token]))
+
+
+def test_concurrent_requests_share_batches_and_each_gets_its_own_answer() -> None:
+    sampler = RecordingSampler()
+    batcher = SampleBatcher(sampler, max_batch=8)
+    results: dict[int, int] = {}
+
+    def ask(token: int) -> None:
+        results[token] = batcher.sample(request(token)).sequences[0].tokens[0]
+
+    threads = [threading.Thread(target=ask, args=(t,)) for t in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {t: t for t in range(16)}
+    assert max(sampler.batch_sizes) > 1 and max(sampler.batch_sizes) <= 8
+
+
+def test_a_bad_request_fails_alone_and_its_batch_mates_still_succeed() -> None:
+    batcher = SampleBatcher(RecordingSampler(), max_batch=8)
+    outcomes: dict[int, object] = {}
+
+    def ask(token: int) -> None:
+        try:
+            outcomes[token] = batcher.sample(request(token)).sequences[0].tokens[0]
+        except InvalidRequest as exc:
+            outcomes[token] = exc
+
+    threads = [threading.Thread(target=ask, args=(t,)) for t in (-1, 1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(outcomes[-1], InvalidRequest)
+    assert [outcomes[t] for t in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_a_sampler_error_reaches_the_caller() -> None:
+    with pytest.raises(InvalidRequest):
+        SampleBatcher(RecordingSampler()).sample(request(-5))
