@@ -1,0 +1,354 @@
+"""The numpy-only model backend: real LoRA training of a tiny bigram language model, for tests and demos.
+
+See `mock_model.py` for the model. Each adapter holds its LoRA weights, accumulated gradients, AdamW
+moments, step count and its own RNG (seeded from `LoraSpec.seed`, used for initialisation and LoRA
+dropout), so tenants never touch each other's state. The optimizer follows `torch.optim.AdamW` (decoupled
+weight decay, bias-corrected moments) and `torch.nn.utils.clip_grad_norm_`; an `optim_step` with no
+accumulated gradient leaves everything untouched, as torch does for parameters whose grad is None.
+The mock model is text-only and has one LoRA target, so `LoraSpec`'s train_* flags and target_modules
+do not change it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from twinkle import losses
+from twinkle.backends.mock_model import (
+    BigramBase,
+    LoraGrads,
+    LoraWeights,
+    accumulate_gradients,
+    class_rows,
+    load_adapter,
+    nonzero_classes,
+    read_model_source,
+    save_adapter,
+    target_logprobs,
+)
+from twinkle.errors import InvalidRequest, LimitExceeded, NotFound
+from twinkle.samplers.mock import BigramSampling
+from twinkle.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    ImageChunk,
+    LoraSpec,
+    SampleOutput,
+    SampleRequest,
+)
+
+_DEFAULT_ALPHA = 32.0
+_ADAM_CHUNK = 1 << 17  # elements per pass: keeps AdamW's temporaries in cache for large vocabularies
+_OPTIMIZER_KEYS = ("exp_avg_down", "exp_avg_sq_down", "exp_avg_up", "exp_avg_sq_up", "step", "rng_state")
+
+
+@dataclass
+class _AdamState:
+    exp_avg: LoraGrads
+    exp_avg_sq: LoraGrads
+    step: int = 0
+
+
+@dataclass
+class _Adapter:
+    spec: LoraSpec
+    lora: LoraWeights
+    rng: np.random.Generator
+    optimizer: _AdamState
+    grads: LoraGrads  # zero outside `grad_classes` (np.zeros maps untouched pages lazily)
+    live_classes: np.ndarray  # bool [C]: token blocks of B that may be non-zero in weights or moments
+    grad_classes: np.ndarray  # bool [C]: token blocks with gradient since the last optim_step
+    has_grads: bool = False  # a forward_backward ran since the last optim_step
+
+    @classmethod
+    def build(
+        cls,
+        base: BigramBase,
+        spec: LoraSpec,
+        lora: LoraWeights,
+        rng: np.random.Generator,
+        optimizer: _AdamState,
+    ) -> _Adapter:
+        live = nonzero_classes(base, lora.up, optimizer.exp_avg.up, optimizer.exp_avg_sq.up)
+        grads = LoraGrads.zeros_like(lora)
+        return cls(spec, lora, rng, optimizer, grads, live, np.zeros_like(live))
+
+
+class MockBackend:
+    """A ModelBackend on a numpy class-factored bigram model (no torch); see the module docstring."""
+
+    def __init__(
+        self,
+        model_dir_or_vocab: str | int | os.PathLike[str],
+        *,
+        max_loras: int = 8,
+        max_length: int | None = None,
+    ) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {max_loras}.")
+        source = read_model_source(model_dir_or_vocab, max_length)
+        self.info = source.info
+        self.max_loras = max_loras
+        self._base = BigramBase.build(self.info.vocab_size)
+        self._sampling = BigramSampling(self._base, self.info, source.directory)
+        self._adapters: dict[str, _Adapter] = {}
+
+    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
+        if adapter_id in self._adapters:
+            raise InvalidRequest(f"Adapter {adapter_id!r} already exists on this backend.")
+        if len(self._adapters) >= self.max_loras:
+            raise LimitExceeded(
+                f"All {self.max_loras} LoRA slots of this model replica are in use "
+                f"({len(self._adapters)} adapters loaded).",
+                hint="Unload an adapter you no longer need, or retry when another tenant's adapter expires.",
+                max_loras=self.max_loras,
+            )
+        if spec.rank < 1:
+            raise InvalidRequest(f"LoRA rank must be at least 1, got {spec.rank}.")
+        if spec.seed is not None and spec.seed < 0:
+            raise InvalidRequest(f"LoRA seed must be a non-negative integer, got {spec.seed}.")
+        if not 0 <= spec.dropout < 1:
+            raise InvalidRequest(f"LoRA dropout must be in [0, 1), got {spec.dropout}.")
+        rng = np.random.default_rng(_adapter_seed(adapter_id, spec.seed))
+        lora = LoraWeights.fresh(self._base, spec.rank, spec.alpha or _DEFAULT_ALPHA, rng)
+        optimizer = _AdamState(LoraGrads.zeros_like(lora), LoraGrads.zeros_like(lora))
+        self._adapters[adapter_id] = _Adapter.build(self._base, spec, lora, rng, optimizer)
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        self._adapters.pop(adapter_id, None)
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return adapter_id in self._adapters
+
+    def forward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
+        return self._run(self._adapter(adapter_id), batch, train=False)
+
+    def forward_backward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
+        return self._run(self._adapter(adapter_id), batch, train=True)
+
+    def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
+        adapter = self._adapter(adapter_id)
+        _check_adam_params(params)
+        metrics = {"learning_rate:mean": float(params.learning_rate), "grad_norm:mean": 0.0}
+        if not adapter.has_grads:
+            return metrics
+        grads, state, lora = adapter.grads, adapter.optimizer, adapter.lora
+        grad_rows = class_rows(self._base, adapter.grad_classes)
+        grad_parts = [grads.down, *(grads.up[rows] for rows in grad_rows)]
+        norm = math.sqrt(sum(float(np.dot(part.ravel(), part.ravel())) for part in grad_parts))
+        metrics["grad_norm:mean"] = norm
+        if params.grad_clip_norm > 0:
+            clip_coefficient = params.grad_clip_norm / (norm + 1e-6)
+            if clip_coefficient < 1:
+                for part in grad_parts:
+                    part *= np.float32(clip_coefficient)
+        state.step += 1
+        _adamw(lora.down, grads.down, state.exp_avg.down, state.exp_avg_sq.down, state.step, params)
+        for rows in class_rows(self._base, adapter.grad_classes):
+            up_parts = (lora.up[rows], grads.up[rows], state.exp_avg.up[rows], state.exp_avg_sq.up[rows])
+            _adamw(*up_parts, state.step, params)
+        for part in grad_parts:
+            part.fill(0)
+        adapter.grad_classes[:] = False
+        adapter.has_grads = False
+        return metrics
+
+    def save_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
+        adapter = self._adapter(adapter_id)
+        extra: dict[str, np.ndarray] = {}
+        if include_optimizer:
+            state = adapter.optimizer
+            extra = {
+                "exp_avg_down": state.exp_avg.down,
+                "exp_avg_sq_down": state.exp_avg_sq.down,
+                "exp_avg_up": state.exp_avg.up,
+                "exp_avg_sq_up": state.exp_avg_sq.up,
+                "step": np.array(state.step),
+                "rng_state": np.array(json.dumps(adapter.rng.bit_generator.state)),
+            }
+        save_adapter(Path(directory), self._base, adapter.lora, extra)
+
+    def load_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
+        """Replace the adapter's weights; with `include_optimizer` also its AdamW moments, step count and
+        RNG, otherwise the optimizer restarts from zero. Unapplied gradients are dropped either way."""
+        adapter = self._adapter(adapter_id)
+        lora, extra = load_adapter(Path(directory), self._base)
+        if lora.rank != adapter.lora.rank:
+            raise InvalidRequest(
+                f"The checkpoint has LoRA rank {lora.rank} but adapter {adapter_id!r} has rank "
+                f"{adapter.lora.rank}.",
+                hint="Create the model with the checkpoint's rank before loading it.",
+            )
+        if include_optimizer and not all(key in extra for key in _OPTIMIZER_KEYS):
+            raise InvalidRequest(
+                "This checkpoint holds weights only, without optimizer state.",
+                hint="Load it without the optimizer, or save with save_state to keep the optimizer.",
+            )
+        if include_optimizer:
+            optimizer = _AdamState(
+                LoraGrads(extra["exp_avg_down"], extra["exp_avg_up"]),
+                LoraGrads(extra["exp_avg_sq_down"], extra["exp_avg_sq_up"]),
+                int(extra["step"]),
+            )
+            adapter.rng.bit_generator.state = json.loads(str(extra["rng_state"]))
+        else:
+            optimizer = _AdamState(LoraGrads.zeros_like(lora), LoraGrads.zeros_like(lora))
+        self._adapters[adapter_id] = _Adapter.build(self._base, adapter.spec, lora, adapter.rng, optimizer)
+
+    def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
+        save_adapter(Path(directory), self._base, self._adapter(adapter_id).lora, {})
+
+    def sample(self, adapter_id: str | None, requests: list[SampleRequest]) -> list[SampleOutput]:
+        lora = None if adapter_id is None else self._adapter(adapter_id).lora
+        return [self._sampling.sample(lora, request) for request in requests]
+
+    def _adapter(self, adapter_id: str) -> _Adapter:
+        adapter = self._adapters.get(adapter_id)
+        if adapter is None:
+            raise NotFound(f"No adapter {adapter_id!r} is loaded on this backend.")
+        return adapter
+
+    def _run(self, adapter: _Adapter, batch: ForwardBackwardInput, *, train: bool) -> ForwardBackwardOutput:
+        losses.validate_loss(batch.loss_fn, batch.data, batch.loss_fn_config)
+        self._check_tokens(batch.data)
+        prev, target, inputs, target_shapes = _flatten(batch)
+        dropout = adapter.spec.dropout if train else 0.0
+        mask = None
+        if dropout > 0:
+            keep = adapter.rng.random((len(prev), self._base.dim)) >= dropout
+            mask = keep.astype(np.float32) / np.float32(1 - dropout)
+        forward = target_logprobs(self._base, adapter.lora, prev, target, mask)
+        result = losses.elementwise_loss_and_grad(
+            batch.loss_fn, forward.logprobs, inputs, batch.loss_fn_config
+        )
+        if train:
+            accumulate_gradients(self._base, adapter.lora, forward, result.dloss_dlp, adapter.grads)
+            touched = forward.classes(self._base.num_classes)
+            adapter.grad_classes |= touched
+            adapter.live_classes |= touched
+            adapter.has_grads = True
+        metrics = {"loss:sum": float(result.loss.sum(dtype=np.float64)), **result.metrics}
+        outputs = []
+        offset = 0
+        for shape in target_shapes:
+            size = math.prod(shape)
+            outputs.append(
+                {
+                    "logprobs": forward.logprobs[offset : offset + size].reshape(shape),
+                    "elementwise_loss": result.loss[offset : offset + size].astype(np.float32).reshape(shape),
+                }
+            )
+            offset += size
+        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
+
+    def _check_tokens(self, data: list[Datum]) -> None:
+        vocab = self.info.vocab_size
+        limit = self.info.max_context_length
+        problems = []
+        for index, datum in enumerate(data):
+            if any(isinstance(chunk, ImageChunk) for chunk in datum.model_input):
+                problems.append(f"datum {index} has an image, but the mock model reads text only")
+                continue
+            tokens = datum.tokens()
+            if len(tokens) > limit:
+                problems.append(f"datum {index} has {len(tokens)} tokens, over this model's limit of {limit}")
+            targets = np.asarray(datum.loss_fn_inputs["target_tokens"])
+            for name, ids in (("model_input", tokens), ("target_tokens", targets)):
+                if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                    problems.append(f"datum {index}: {name} has token ids outside [0, {vocab})")
+        if problems:
+            raise InvalidRequest("; ".join(problems[:10]) + ".", hint="Shorten or fix the listed datums.")
+
+
+def _flatten(
+    batch: ForwardBackwardInput,
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], list[tuple[int, ...]]]:
+    """Concatenate the batch into (prev, target) rows; [T, K] targets become T·K rows sharing their prev."""
+    prevs, targets, shapes = [], [], []
+    inputs: dict[str, list[np.ndarray]] = {}
+    for datum in batch.data:
+        resolved = losses.loss_inputs(batch.loss_fn, datum.loss_fn_inputs)
+        target = np.asarray(resolved["target_tokens"], dtype=np.int64)
+        per_position = math.prod(target.shape[1:])
+        prevs.append(np.repeat(datum.tokens(), per_position))
+        targets.append(target.ravel())
+        shapes.append(target.shape)
+        for key, value in resolved.items():
+            if key != "target_tokens":
+                inputs.setdefault(key, []).append(np.asarray(value, np.float32).ravel())
+    flat_inputs = {key: np.concatenate(values) for key, values in inputs.items()}
+    flat_inputs["target_tokens"] = np.concatenate(targets)
+    return np.concatenate(prevs), flat_inputs["target_tokens"], flat_inputs, shapes
+
+
+def _adamw(
+    weights: np.ndarray,
+    grad: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    step: int,
+    params: AdamParams,
+) -> None:
+    """One torch.optim.AdamW step, in place, in cache-sized chunks."""
+    decay = np.float32(1 - params.learning_rate * params.weight_decay)
+    beta1, beta2 = np.float32(params.beta1), np.float32(params.beta2)
+    bias_correction2_sqrt = np.float32(math.sqrt(1 - params.beta2**step))
+    step_size = np.float32(params.learning_rate / (1 - params.beta1**step))
+    eps = np.float32(params.eps)
+    arrays = (weights, grad, exp_avg, exp_avg_sq)
+    assert all(array.flags.c_contiguous for array in arrays)  # reshape must give views, not copies
+    flat = [array.reshape(-1) for array in arrays]
+    scratch = np.empty(min(_ADAM_CHUNK, flat[0].size), np.float32)
+    denom = np.empty_like(scratch)
+    for start in range(0, flat[0].size, _ADAM_CHUNK):
+        w, g, m, v = (array[start : start + _ADAM_CHUNK] for array in flat)
+        tmp, den = scratch[: len(w)], denom[: len(w)]
+        if params.weight_decay:
+            w *= decay
+        np.subtract(g, m, out=tmp)  # exp_avg.lerp_(grad, 1 - beta1)
+        tmp *= 1 - beta1
+        m += tmp
+        v *= beta2
+        np.multiply(g, g, out=tmp)
+        tmp *= 1 - beta2
+        v += tmp
+        np.sqrt(v, out=den)
+        den /= bias_correction2_sqrt
+        den += eps
+        np.divide(m, den, out=tmp)
+        tmp *= step_size
+        w -= tmp
+
+
+def _check_adam_params(params: AdamParams) -> None:
+    problems = []
+    if not (math.isfinite(params.learning_rate) and params.learning_rate >= 0):
+        problems.append(f"learning_rate must be a finite number >= 0, got {params.learning_rate}")
+    for name in ("beta1", "beta2"):
+        value = getattr(params, name)
+        if not 0 <= value < 1:
+            problems.append(f"{name} must be in [0, 1), got {value}")
+    if not params.eps > 0:
+        problems.append(f"eps must be > 0, got {params.eps}")
+    if not params.weight_decay >= 0:
+        problems.append(f"weight_decay must be >= 0, got {params.weight_decay}")
+    if not params.grad_clip_norm >= 0:
+        problems.append(f"grad_clip_norm must be >= 0 (0 disables clipping), got {params.grad_clip_norm}")
+    if problems:
+        raise InvalidRequest("Invalid AdamParams: " + "; ".join(problems) + ".")
+
+
+def _adapter_seed(adapter_id: str, seed: int | None) -> int:
+    """The adapter's RNG seed: LoraSpec.seed, or one derived from the id so runs stay reproducible."""
+    if seed is not None:
+        return seed
+    return int.from_bytes(hashlib.sha256(adapter_id.encode()).digest()[:8], "little")

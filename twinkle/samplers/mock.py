@@ -1,0 +1,272 @@
+"""The numpy-only sampler: generates from the mock backend's bigram model (see backends/mock_model.py).
+
+`BigramSampling` is the one generation routine; `MockBackend.sample` uses it with an adapter's in-memory
+weights and `MockSampler` with weights loaded from sampler checkpoints.
+
+Reported logprobs:
+- a sampled token's logprob is taken under the distribution it was drawn from: the model's logits divided
+  by the temperature, restricted by top_k and then top_p, renormalised. With temperature 1 and no top_k or
+  top_p it equals the logprob `forward` reports. Greedy decoding (temperature 0) reports the model's own
+  (temperature 1) logprob of the chosen token.
+- prompt logprobs are always the model's own distribution; the first position has none.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from twinkle.backends.mock_model import (
+    BigramBase,
+    LoraWeights,
+    load_adapter,
+    next_token_logprobs,
+    read_model_source,
+    target_logprobs,
+)
+from twinkle.errors import InvalidRequest
+from twinkle.types import (
+    ImageChunk,
+    ModelInfo,
+    SampledSequence,
+    SampleOutput,
+    SampleRequest,
+    SamplingParams,
+    StopReason,
+    token_ids,
+)
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+_TOPK_ROWS_PER_PASS = 64  # bounds the [rows, V] matrix top-k prompt logprobs need on large vocabularies
+_UTF8_MARGIN = 4
+
+
+class BigramSampling:
+    """Generation, prompt scoring and stop handling for the bigram model."""
+
+    def __init__(self, base: BigramBase, info: ModelInfo, model_dir: Path | None) -> None:
+        self._base = base
+        self._info = info
+        self._model_dir = model_dir
+        self._tokenizer: Tokenizer | None = None
+
+    def sample(self, lora: LoraWeights | None, request: SampleRequest) -> SampleOutput:
+        prompt = self._prompt(request)
+        params = request.params
+        self._check_params(request, len(prompt))
+        stop_ids = set(params.stop_token_ids)
+        if params.stop_at_eos and self._info.eos_token_id is not None:
+            stop_ids.add(self._info.eos_token_id)
+        tokenizer = self._tokenizer_for_stop_strings() if params.stop_strings else None
+        stop_strings = _StopStrings(tokenizer, params.stop_strings)
+        rng = np.random.default_rng(params.seed)
+
+        count = request.num_samples
+        tokens: list[list[int]] = [[] for _ in range(count)]
+        logprobs: list[list[float]] = [[] for _ in range(count)]
+        reasons: list[StopReason] = ["length"] * count
+        last = np.full(count, prompt[-1], np.int64)
+        active = np.arange(count)
+        for _ in range(params.max_tokens):
+            if not len(active):
+                break
+            chosen, chosen_lp = _draw(self._distribution(lora, last[active]), params, rng)
+            last[active] = chosen
+            still_active = []
+            for sample, token, logprob in zip(
+                active.tolist(), chosen.tolist(), chosen_lp.tolist(), strict=True
+            ):
+                tokens[sample].append(token)
+                logprobs[sample].append(logprob)
+                if token in stop_ids or stop_strings.hit(sample, tokens[sample]):
+                    reasons[sample] = "stop"
+                else:
+                    still_active.append(sample)
+            active = np.array(still_active, np.int64)
+        sequences = [
+            SampledSequence(tokens=tokens[i], logprobs=logprobs[i], stop_reason=reasons[i])
+            for i in range(count)
+        ]
+        output = SampleOutput(sequences=sequences)
+        if request.prompt_logprobs:
+            scored = target_logprobs(self._base, lora, prompt[:-1], prompt[1:]).logprobs
+            output.prompt_logprobs = [None, *map(float, scored)]
+        if request.topk_prompt_logprobs > 0:
+            output.topk_prompt_logprobs = [[], *self._top_k(lora, prompt[:-1], request.topk_prompt_logprobs)]
+        return output
+
+    def _distribution(self, lora: LoraWeights | None, prev: np.ndarray) -> np.ndarray:
+        # Samples that share their last token share the next-token distribution: compute it once.
+        unique, inverse = np.unique(prev, return_inverse=True)
+        return next_token_logprobs(self._base, lora, unique)[inverse]
+
+    def _top_k(self, lora: LoraWeights | None, prev: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+        rows: list[list[tuple[int, float]]] = []
+        for start in range(0, len(prev), _TOPK_ROWS_PER_PASS):
+            full = next_token_logprobs(self._base, lora, prev[start : start + _TOPK_ROWS_PER_PASS])
+            best = np.argpartition(-full, k - 1, axis=1)[:, :k]
+            for row, ids in zip(full, best, strict=True):
+                ranked = sorted(ids.tolist(), key=lambda token: (-row[token], token))
+                rows.append([(token, float(row[token])) for token in ranked])
+        return rows
+
+    def _prompt(self, request: SampleRequest) -> np.ndarray:
+        if any(isinstance(chunk, ImageChunk) for chunk in request.prompt):
+            raise InvalidRequest("The prompt has an image, but the mock model reads text only.")
+        prompt = token_ids(request.prompt)
+        if not len(prompt):
+            raise InvalidRequest("The prompt is empty.", hint="Give at least one token to continue from.")
+        vocab = self._info.vocab_size
+        if prompt.min() < 0 or prompt.max() >= vocab:
+            raise InvalidRequest(f"The prompt has token ids outside [0, {vocab}).")
+        return prompt
+
+    def _check_params(self, request: SampleRequest, prompt_length: int) -> None:
+        params = request.params
+        problems = []
+        if request.num_samples < 1:
+            problems.append(f"num_samples must be at least 1, got {request.num_samples}")
+        if params.max_tokens < 0:
+            problems.append(f"max_tokens must be >= 0, got {params.max_tokens}")
+        if not (np.isfinite(params.temperature) and params.temperature >= 0):
+            problems.append(f"temperature must be a finite number >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {params.top_p}")
+        if params.top_k < -1:
+            problems.append(f"top_k must be -1 or 0 (off) or a positive count, got {params.top_k}")
+        if not 0 <= request.topk_prompt_logprobs <= self._info.vocab_size:
+            problems.append(
+                f"topk_prompt_logprobs must be in [0, {self._info.vocab_size}], "
+                f"got {request.topk_prompt_logprobs}"
+            )
+        limit = self._info.max_context_length
+        if prompt_length + params.max_tokens > limit:
+            problems.append(
+                f"the prompt has {prompt_length} tokens and max_tokens is {params.max_tokens}, "
+                f"together over this model's context of {limit} tokens"
+            )
+        if problems:
+            raise InvalidRequest("Invalid sampling request: " + "; ".join(problems) + ".")
+
+    def _tokenizer_for_stop_strings(self) -> Tokenizer | None:
+        if self._tokenizer is None and self._model_dir is not None:
+            path = self._model_dir / "tokenizer.json"
+            if path.is_file():
+                from tokenizers import Tokenizer  # only models with stop strings pay for the import
+
+                self._tokenizer = Tokenizer.from_file(str(path))
+        return self._tokenizer
+
+
+class _StopStrings:
+    """Detects stop strings in the decoded text of growing samples."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop_strings: tuple[str, ...]) -> None:
+        self._stops = tuple(stop for stop in stop_strings if stop)
+        if self._stops and tokenizer is None:
+            raise InvalidRequest(
+                "Stop strings need a tokenizer, and this model has no tokenizer.json.",
+                hint="Pass stop token ids instead of stop strings.",
+            )
+        self._tokenizer = tokenizer
+        self._longest = max((len(stop) for stop in self._stops), default=0)
+        self._texts: dict[int, str] = {}
+
+    def hit(self, sample: int, tokens: list[int]) -> bool:
+        if not self._stops:
+            return False
+        previous = self._texts.get(sample, "")
+        assert self._tokenizer is not None  # checked in __init__ whenever there are stop strings
+        text = self._tokenizer.decode(tokens)
+        self._texts[sample] = text
+        # Only the newest token's text can complete a stop string; the margin covers a partial UTF-8
+        # character at the end of the previous text that this token completed.
+        start = max(0, len(previous) - self._longest - _UTF8_MARGIN)
+        return any(stop in text[start:] for stop in self._stops)
+
+
+class MockSampler:
+    """A SamplerBackend on the mock model; adapters come from `save_weights_for_sampler` directories."""
+
+    def __init__(
+        self,
+        model_dir_or_vocab: str | int | os.PathLike[str],
+        *,
+        max_cached_adapters: int = 4,
+        max_length: int | None = None,
+    ) -> None:
+        source = read_model_source(model_dir_or_vocab, max_length)
+        self.info = source.info
+        self._base = BigramBase.build(self.info.vocab_size)
+        self._sampling = BigramSampling(self._base, self.info, source.directory)
+        self._cache: OrderedDict[str, LoraWeights] = OrderedDict()
+        self._cache_size = max_cached_adapters
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleOutput]:
+        return [self._sampling.sample(self._adapter(request.adapter_path), request) for request in requests]
+
+    def _adapter(self, adapter_path: str | None) -> LoraWeights | None:
+        if adapter_path is None:
+            return None
+        key = str(Path(adapter_path).resolve())
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        lora, _ = load_adapter(Path(key), self._base)
+        self._cache[key] = lora
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return lora
+
+
+def _draw(
+    model_lp: np.ndarray, params: SamplingParams, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """One token per row of `model_lp` [rows, V], and its logprob under the sampling distribution."""
+    rows = np.arange(len(model_lp))
+    if params.temperature == 0:
+        chosen = model_lp.argmax(axis=1)
+        return chosen, model_lp[rows, chosen].astype(np.float64)
+    sampling_lp = _sampling_distribution(model_lp, params)
+    probs = np.exp(sampling_lp)
+    cdf = np.cumsum(probs, axis=1)
+    threshold = rng.random(len(rows)) * cdf[:, -1]
+    # The first id whose cumulative mass exceeds the threshold: never one with zero probability.
+    chosen = (cdf <= threshold[:, None]).sum(axis=1)
+    return chosen, sampling_lp[rows, chosen]
+
+
+def _sampling_distribution(model_lp: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Log-probs after temperature, then top_k, then top_p (dropped ids at -inf), renormalised [rows, V]."""
+    scaled = model_lp.astype(np.float64) / params.temperature
+    vocab = scaled.shape[1]
+    rows = np.arange(len(scaled))[:, None]
+    if 0 < params.top_k < vocab:
+        kept = np.argpartition(scaled, vocab - params.top_k, axis=1)[:, vocab - params.top_k :]
+        restricted = np.full_like(scaled, -np.inf)
+        restricted[rows, kept] = scaled[rows, kept]
+        scaled = restricted
+    scaled = _normalise(scaled)
+    if params.top_p < 1:
+        # Keep the most likely ids until their mass reaches top_p (always at least one).
+        order = np.argsort(-scaled, axis=1, kind="stable")
+        sorted_probs = np.exp(scaled[rows, order])
+        dropped = np.zeros(scaled.shape, bool)
+        np.put_along_axis(
+            dropped, order, np.cumsum(sorted_probs, axis=1) - sorted_probs >= params.top_p, axis=1
+        )
+        scaled[dropped] = -np.inf
+        scaled = _normalise(scaled)
+    return scaled
+
+
+def _normalise(logits: np.ndarray) -> np.ndarray:
+    peak = logits.max(axis=1, keepdims=True)
+    normalised: np.ndarray = logits - (peak + np.log(np.exp(logits - peak).sum(axis=1, keepdims=True)))
+    return normalised
