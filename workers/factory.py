@@ -35,5 +35,16 @@ def build_sampler(model_id: str, sampler_type: str, *, max_loras: int = 4, torch
     return cls(model_id, max_loras=max_loras, torch_dtype=torch_dtype)
 
 
+def build_pool_sampler(args: Any, backend: Any) -> Any:
+    """The sampler a model pool uses for sampler checkpoints; shares the backend's model when it can."""
+    sampler_type = sampler_type_for_model_pool(args)
+    if sampler_type == "torch" and args.backend == "transformers":
+        from twinkle.samplers.torch_sampler import TorchSampler
+
+        return TorchSampler.sharing(backend, max_loras=args.adapter_config.max_loras)
+    return build_sampler(args.model_id, sampler_type, max_loras=args.adapter_config.max_loras,
+                         torch_dtype=args.torch_dtype)
+
+
 def sampler_type_for_model_pool(args: Any) -> str:
     return getattr(args, "sampler_type", None) or DEFAULT_SAMPLER_FOR_BACKEND.get(args.backend, "torch")

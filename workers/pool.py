@@ -24,7 +24,7 @@ from twinkle.config import load_config
 from twinkle.futures import Op
 from twinkle.keys import Keys
 from workers import processor
-from workers.factory import build_model_backend, build_sampler, sampler_type_for_model_pool
+from workers.factory import build_model_backend, build_pool_sampler, build_sampler
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
 from workers.lifecycle import AdapterReaper
 from workers.runtime import PoolRuntime
@@ -58,8 +58,7 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
     started = time.perf_counter()
     if app.import_path == "model":
         backend = build_model_backend(args)
-        sampler = build_sampler(args.model_id, sampler_type_for_model_pool(args),
-                                max_loras=args.adapter_config.max_loras, torch_dtype=args.torch_dtype)
+        sampler = build_pool_sampler(args, backend)
         model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys, queue)
         runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=ttl,
                               has_adapter=backend.has_adapter)

@@ -64,12 +64,15 @@ class PoolRuntime:
                 result = self.handlers[op](rec, blobs.loads(payload) if payload else None)
         except TwinkleError as exc:
             self._fail(rec, exc)
+            self._release_if_never_created(op, rec, model, exc)
         except Exception as exc:  # noqa: BLE001 - any backend bug becomes a failed future, never a hang
             log.error("%s %s failed:\n%s", op, request_id, traceback.format_exc())
-            self._fail(rec, BackendFailure(
+            failure = BackendFailure(
                 f"{op} failed inside the server ({type(exc).__name__}).",
                 hint=f"This is a server problem; report request id {request_id} to the operator.",
-            ))
+            )
+            self._fail(rec, failure)
+            self._release_if_never_created(op, rec, model, failure)
         else:
             self._complete(rec, result)
         finally:
@@ -102,6 +105,20 @@ class PoolRuntime:
                                                            if model.last_checkpoint else "."))
         if op != Op.LOAD_STATE and not self.has_adapter(rec.model_id):
             raise self._lost(rec.model_id, model)
+
+    def _release_if_never_created(self, op: str, rec: FutureRecord, model: ModelRecord | None,
+                                  exc: TwinkleError) -> None:
+        """A model whose first op (create, or load from a checkpoint) failed never got an adapter: free its
+        place in the owner's model count, or the count drifts up with every failed create."""
+        if op not in (Op.CREATE_MODEL, Op.LOAD_STATE) or model is None or model.ops_executed:
+            return
+        if self.has_adapter is not None and self.has_adapter(rec.model_id):
+            return
+        pipe = self.r.pipeline()
+        pipe.hset(self.keys.model(rec.model_id), mapping={"status": "unloaded",
+                                                          "unload_reason": f"it could not be created: {exc}"})
+        pipe.srem(self.keys.owner_models(model.owner), rec.model_id)
+        pipe.execute()
 
     def _lost(self, model_id: str, model: ModelRecord | None) -> TwinkleError:
         return lost_state_error(model_id, (model.last_checkpoint if model else "") or None)

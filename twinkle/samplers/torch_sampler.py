@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 from twinkle.backends.hf.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from twinkle.backends.hf.generation import generate
@@ -47,6 +48,21 @@ class TorchSampler:
         self.max_loras = max_loras
         self.max_batch_rows = max_batch_rows
         self._loaded: OrderedDict[str, None] = OrderedDict()  # adapter names, least recently used first
+
+    @classmethod
+    def sharing(cls, backend: Any, *, max_loras: int = 4, max_batch_rows: int = 64) -> TorchSampler:
+        """A sampler on the base model a TransformersBackend already holds (no second copy).
+
+        A model pool without a sampler pool uses it to serve sampler checkpoints: their adapters are
+        loaded next to the training adapters, frozen, under names no tenant can take.
+        """
+        sampler = cls.__new__(cls)
+        sampler.shared = backend.shared
+        sampler.info = backend.info
+        sampler.max_loras = max_loras
+        sampler.max_batch_rows = max_batch_rows
+        sampler._loaded = OrderedDict()
+        return sampler
 
     @property
     def loaded_adapters(self) -> list[str]:
