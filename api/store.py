@@ -155,6 +155,7 @@ class Store:
         pipe = self.r.pipeline()
         pipe.hset(self.keys.model(record.model_id), mapping=record.to_hash())
         pipe.sadd(self.keys.owner_runs(record.owner), record.model_id)
+        pipe.sadd(self.keys.pool_assigned(record.queue), record.model_id)
         await pipe.execute()
 
     async def model(self, model_id: str, owner: str, *, active: bool = True) -> ModelRecord:
@@ -172,6 +173,7 @@ class Store:
         pipe = self.r.pipeline()
         pipe.hset(self.keys.model(record.model_id), mapping={"status": "unloaded", "unload_reason": reason})
         pipe.srem(self.keys.owner_models(record.owner), record.model_id)
+        pipe.srem(self.keys.pool_assigned(record.queue), record.model_id)
         await pipe.execute()
 
     async def next_model_seq(self, session_id: str) -> int:

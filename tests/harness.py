@@ -39,13 +39,17 @@ def mock_config(model_dir: Path, checkpoint_dir: Path, *, port: int, db: int, ba
                 max_loras: int = 32, extra_apps: list[dict[str, Any]] | None = None,
                 server_config: dict[str, Any] | None = None, sampler: bool = False,
                 adapter_config: dict[str, Any] | None = None, max_length: int = 2048,
-                processor: bool = False) -> dict[str, Any]:
+                processor: bool = False, queue_config: dict[str, Any] | None = None,
+                auth: dict[str, Any] | None = None, replicas: int = 1) -> dict[str, Any]:
     apps: list[dict[str, Any]] = [
         {"name": "server", "route_prefix": "/api/v1", "import_path": "server",
          "args": {"server_config": server_config or {}}},
         {"name": "models-tiny", "route_prefix": "/api/v1/model/tiny-qwen", "import_path": "model",
          "args": {"backend": backend, "model_id": str(model_dir), "max_length": max_length,
-                  "adapter_config": {"max_loras": max_loras, **(adapter_config or {})}}},
+                  "adapter_config": {"max_loras": max_loras, **(adapter_config or {})},
+                  "queue_config": queue_config or {}},
+         "deployments": [{"name": "ModelManagement",
+                          "autoscaling_config": {"min_replicas": replicas, "max_replicas": replicas}}]},
     ]
     if sampler:
         apps.append({"name": "sampler-tiny", "route_prefix": "/api/v1/sampler/tiny-qwen", "import_path": "sampler",
@@ -58,6 +62,7 @@ def mock_config(model_dir: Path, checkpoint_dir: Path, *, port: int, db: int, ba
         "http_options": {"host": "127.0.0.1", "port": port},
         "broker": {"url": f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}"},
         "storage": {"checkpoint_dir": str(checkpoint_dir)},
+        "auth": auth or {},
         "applications": apps,
     }
 

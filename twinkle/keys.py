@@ -87,6 +87,10 @@ class Keys:
         """Set of the adapters a model pool holds in memory now (its used LoRA slots)."""
         return f"{self.root}pool:{queue}:adapters"
 
+    def pool_assigned(self, queue: str) -> str:
+        """Set of active models pinned to a pool replica (assigned at create, removed at unload)."""
+        return f"{self.root}pool:{queue}:assigned"
+
     def pool_info(self, app: str) -> str:
         """JSON ModelInfo a pool publishes once its model is loaded."""
         return f"{self.root}pool:{app}:info"

@@ -66,6 +66,7 @@ class AdapterReaper:
         pipe = self.r.pipeline()
         pipe.hset(self.keys.model(model.model_id), mapping={"status": "unloaded", "unload_reason": reason})
         pipe.srem(self.keys.owner_models(model.owner), model.model_id)
+        pipe.srem(self.keys.pool_assigned(model.queue), model.model_id)
         pipe.execute()
 
     def run_forever(self) -> None:

@@ -59,11 +59,22 @@ async def _register_model(ctx: ApiContext, tenant: str, session_id: str, model_s
         return ModelRecord.from_hash(raw)
     now = time.time()
     record = ModelRecord(model_id=model_id, owner=tenant, session_id=session_id, base_model=served.name,
-                         app=served.model_app or "", queue=served.model_queues[0],
+                         app=served.model_app or "", queue=await _least_loaded(ctx, served.model_queues),
                          lora={k: v for k, v in spec.__dict__.items()}, created_at=now, last_request_at=now,
                          user_metadata=user_metadata or {})
     await ctx.store.add_model(record, limit=ctx.per_key_model_limit())
     return record
+
+
+async def _least_loaded(ctx: ApiContext, queues: list[str]) -> str:
+    """The replica with the most free LoRA slots; the model stays pinned there (its record keeps the queue)."""
+    if len(queues) == 1:
+        return queues[0]
+    pipe = ctx.store.r.pipeline(transaction=False)
+    for queue in queues:
+        pipe.scard(ctx.keys.pool_assigned(queue))
+    held = await pipe.execute()
+    return min(zip(held, range(len(queues)), queues, strict=True))[2]
 
 
 @router.post("/create_model")
