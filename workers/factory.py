@@ -17,11 +17,14 @@ def _mock_source(model_id: str) -> str | int:
     return path if os.path.isdir(path) else MOCK_DEFAULT_VOCAB
 
 
-def build_model_backend(args: Any) -> Any:
+def build_model_backend(args: Any, sampler_factory: Any = None) -> Any:
     cls = resolve(BACKENDS, args.backend, "backend")
     max_loras = args.adapter_config.max_loras
     if args.backend == "mock":
         return cls(_mock_source(args.model_id), max_loras=max_loras, max_length=args.max_length)
+    if args.backend == "megatron":
+        return cls(args.model_id, torch_dtype=args.torch_dtype, max_loras=max_loras, max_length=args.max_length,
+                   device_mesh=args.device_mesh, sampler_factory=sampler_factory)
     return cls(args.model_id, torch_dtype=args.torch_dtype, max_loras=max_loras, max_length=args.max_length)
 
 

@@ -23,6 +23,7 @@ from twinkle.checkpoints import CheckpointStore
 from twinkle.config import load_config
 from twinkle.futures import Op
 from twinkle.keys import Keys
+from twinkle.telemetry import op_span, setup_worker_telemetry
 from workers import processor
 from workers.factory import build_model_backend, build_pool_sampler, build_sampler
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
@@ -57,8 +58,9 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
         log.info("pool %s: loading %s", queue, args.model_id)
     started = time.perf_counter()
     if app.import_path == "model":
-        backend = build_model_backend(args)
-        sampler = build_pool_sampler(args, backend)
+        holder: dict[str, Any] = {}  # megatron samples in memory through the pool's sampler, built next
+        backend = build_model_backend(args, sampler_factory=lambda: holder["sampler"])
+        sampler = holder["sampler"] = build_pool_sampler(args, backend)
         model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys, queue)
         runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=ttl,
                               has_adapter=backend.has_adapter)
@@ -113,6 +115,7 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     celery = make_celery(url)
     for op in Op:
         _register(celery, runtime, op)
+    setup_worker_telemetry(config, app_name, celery)
     threading.Thread(target=_heartbeat, args=(r, keys, runtime.queue, runtime), daemon=True).start()
     # Model and sampler pools: one op at a time in one process that holds the model (threads, -c 1).
     # Processor pools: stateless CPU work in parallel processes (prefork).
@@ -130,7 +133,8 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
 
 def _register(celery: Any, runtime: PoolRuntime, op: Op) -> None:
     def task(request_id: str, model_id: str = "") -> None:
-        runtime.execute(op, request_id)
+        with op_span(op, request_id, model_id):
+            runtime.execute(op, request_id)
 
     task.__name__ = op.value
     celery.task(name=task_name(op), ignore_result=True)(task)

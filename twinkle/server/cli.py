@@ -5,6 +5,8 @@
     twinkle-server print-config -c cfg.yaml [--format yaml|json]
     twinkle-server clear persistence -c cfg.yaml
     twinkle-server build-tiny-model OUT_DIR [--vocab-size N] [--seed S]
+    twinkle-server keys add [--label NAME] [--prefix tw-|tml-] | list | revoke LABEL_OR_HASH_PREFIX
+                         [--keys-file PATH | -c cfg.yaml]
 
 `-c` defaults to $TWINKLE_SERVER_CONFIG and `--namespace` to $TWINKLE_RAY_NAMESPACE, then to the config's
 `ray_namespace`. Exit codes: 0 success, 2 invalid arguments or config, 1 any other Twinkle error.
@@ -25,6 +27,7 @@ import yaml
 
 from twinkle.config import ConfigError, ServerConfig, config_to_dict, load_config
 from twinkle.errors import TwinkleError
+from twinkle.keys_file import KEY_PREFIXES, add_key, read_entries, revoke
 
 CONFIG_ENV = "TWINKLE_SERVER_CONFIG"
 NAMESPACE_ENV = "TWINKLE_RAY_NAMESPACE"
@@ -95,7 +98,30 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--vocab-size", type=int, help="vocabulary size (default: the builder's)")
     tiny.add_argument("--seed", type=int, help="random seed (default: the builder's)")
     tiny.set_defaults(command=_build_tiny_model)
+
+    _add_keys_commands(commands)
     return parser
+
+
+def _add_keys_commands(commands: Any) -> None:
+    keys = commands.add_parser("keys", help="manage the API keys of the keys file (only hashes are stored)")
+    actions = keys.add_subparsers(dest="keys_action", required=True, metavar="ACTION")
+    add = actions.add_parser("add", help="generate a key, print it once, store its hash")
+    add.add_argument("--label", default="", help="a name to list and revoke the key by (unique)")
+    add.add_argument("--prefix", choices=KEY_PREFIXES, default="tw-",
+                     help="key prefix (default tw-; the unmodified Tinker SDK accepts only tml- keys "
+                     "unless the client calls twinkle.init_tinker_client())")
+    add.set_defaults(command=_keys_add)
+    listing = actions.add_parser("list", help="show hash prefixes, labels and creation times")
+    listing.set_defaults(command=_keys_list)
+    revoke = actions.add_parser("revoke", help="remove a key by label or hash prefix (effective within ~1 s)")
+    revoke.add_argument("selector", metavar="LABEL_OR_HASH_PREFIX")
+    revoke.set_defaults(command=_keys_revoke)
+    for action in (add, listing, revoke):
+        action.add_argument("--keys-file", type=Path, help="the keys file (default: the config's auth.keys_file)")
+        action.add_argument("-c", "--config", default=os.environ.get(CONFIG_ENV), metavar="PATH",
+                            help=f"YAML server config whose auth.keys_file to use (default: ${CONFIG_ENV})")
+        action.set_defaults(parser=action)
 
 
 def _add_config_option(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +142,13 @@ def _launch(options: argparse.Namespace) -> int:
     if only_name is not None:
         _check_worker_name(options.parser, config, only_name)
     namespace = options.namespace or config.ray_namespace
+    from twinkle.config.runtime import runtime_problems
+
+    problems = [] if only in ("api", "flower") else runtime_problems(config, only_name)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if problems:
+        return EXIT_FAILED
     from twinkle.server.launcher import launch  # deferred: it pulls in Ray, Celery and uvicorn
 
     return launch(
@@ -159,6 +192,10 @@ def _check_config(options: argparse.Namespace) -> int:
     print(f"ok: {count} application{'s' if count != 1 else ''} ({names})")
     if config.auth.dev_mode:
         print("note: no api_keys or keys_file: development mode, any API key is accepted", file=sys.stderr)
+    from twinkle.config.runtime import runtime_problems
+
+    for problem in runtime_problems(config):
+        print(f"warning: this machine cannot run {problem}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -190,4 +227,42 @@ def _build_tiny_model(options: argparse.Namespace) -> int:
     if options.seed is not None:
         overrides["seed"] = options.seed
     print(build_tiny_model(options.out_dir, **overrides))
+    return EXIT_OK
+
+
+def _keys_file_of(options: argparse.Namespace) -> Path:
+    if options.keys_file is not None:
+        return Path(options.keys_file)
+    if not options.config:
+        options.parser.error(f"pass --keys-file, or -c with a config that sets auth.keys_file (or ${CONFIG_ENV})")
+    keys_file = load_config(options.config).auth.keys_file
+    if not keys_file:
+        options.parser.error(f"{options.config} sets no auth.keys_file; add one, or pass --keys-file")
+    return Path(keys_file)
+
+
+def _keys_add(options: argparse.Namespace) -> int:
+    path = _keys_file_of(options)
+    raw, entry = add_key(path, options.label, prefix=options.prefix)
+    print(raw)
+    print(f"added key {entry.key_hash[:12]}{f' ({entry.label})' if entry.label else ''} to {path}. "
+          "This is the only time the key is shown; the file keeps its SHA-256 hash only.", file=sys.stderr)
+    return EXIT_OK
+
+
+def _keys_list(options: argparse.Namespace) -> int:
+    path = _keys_file_of(options)
+    entries = read_entries(path)
+    if not entries:
+        print(f"no keys in {path}", file=sys.stderr)
+    for entry in entries:
+        print(f"{entry.key_hash[:12]}  {entry.label or '-':<24} {entry.created or '-'}")
+    return EXIT_OK
+
+
+def _keys_revoke(options: argparse.Namespace) -> int:
+    path = _keys_file_of(options)
+    for entry in revoke(path, options.selector):
+        print(f"revoked key {entry.key_hash[:12]}{f' ({entry.label})' if entry.label else ''}; "
+              "running servers refuse it within about a second")
     return EXIT_OK

@@ -1,0 +1,23 @@
+"""What this machine lacks to run a config's pools, checked without importing the heavy packages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def runtime_problems(config: Any, only_name: str | None = None) -> list[str]:
+    from twinkle.backends.megatron.requirements import megatron_requirements_problem
+    from twinkle.samplers.vllm_sampler import vllm_requirements_problem
+
+    wanted = [app for app in (*config.model_apps(), *config.sampler_apps()) if only_name in (None, app.name)]
+    problems = []
+    for app in wanted:
+        if getattr(app.args, "backend", None) == "megatron":
+            problem = megatron_requirements_problem()
+        elif getattr(app.args, "sampler_type", None) == "vllm" and app.import_path == "sampler":
+            problem = vllm_requirements_problem()
+        else:
+            problem = None
+        if problem is not None:
+            problems.append(f"{app.name}: {problem}")
+    return problems
