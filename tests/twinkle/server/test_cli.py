@@ -129,9 +129,20 @@ def test_launch_takes_the_namespace_from_the_environment_then_the_config(
 
     main(["launch", "-c", str(SEED), "--only", "api"])
     monkeypatch.setenv("TWINKLE_RAY_NAMESPACE", "from-env")
-    main(["launch", "-c", str(SEED)])
+    main(["launch", "-c", str(SEED), "--only", "api"])
 
     assert namespaces == ["twinkle_cluster", "from-env"]
+
+
+def test_launch_refuses_pools_this_machine_cannot_run_and_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("twinkle.backends.megatron.requirements.megatron_requirements_problem",
+                        lambda: "backend: megatron needs megatron-core and a CUDA GPU")
+    _fake_module(monkeypatch, "twinkle.server.launcher", launch=lambda **kwargs: 0)
+
+    assert main(["launch", "-c", str(SEED), "--only", "worker", "models-Qwen3.5-4B"]) == 1
+    assert "megatron needs megatron-core" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
