@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from twinkle import losses
+from twinkle.backends.data_parallel import GradientReducer
 from twinkle.backends.mock_model import (
     BigramBase,
     LoraGrads,
@@ -153,7 +154,7 @@ class MockBackend:
                     part *= np.float32(clip_coefficient)
         state.step += 1
         _adamw(lora.down, grads.down, state.exp_avg.down, state.exp_avg_sq.down, state.step, params)
-        for rows in class_rows(self._base, adapter.grad_classes):
+        for rows in class_rows(self._base, adapter.live_classes):
             up_parts = (lora.up[rows], grads.up[rows], state.exp_avg.up[rows], state.exp_avg_sq.up[rows])
             _adamw(*up_parts, state.step, params)
         for part in grad_parts:
@@ -161,6 +162,17 @@ class MockBackend:
         adapter.grad_classes[:] = False
         adapter.has_grads = False
         return metrics
+
+    def sync_gradients(self, adapter_id: str, reducer: GradientReducer) -> None:
+        """Sum the adapter's accumulated gradients over the data-parallel ranks (backends.data_parallel)."""
+        adapter = self._adapter(adapter_id)
+        if not reducer.any(adapter.has_grads):
+            return
+        reducer.sum_([adapter.grads.down, adapter.grads.up])
+        touched = reducer.union(adapter.grad_classes)
+        adapter.grad_classes[:] = touched
+        adapter.live_classes |= touched
+        adapter.has_grads = True
 
     def save_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
         adapter = self._adapter(adapter_id)

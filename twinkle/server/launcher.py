@@ -24,6 +24,7 @@ from twinkle.broker import EmbeddedBroker, restore_unacked
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.keys import Keys
 from twinkle.state.persistence import restore_snapshot, save_snapshot
+from twinkle.telemetry.pool_status import PoolStatusPrinter
 
 log = logging.getLogger("twinkle.launcher")
 STOP_GRACE_SECONDS = 20.0
@@ -74,7 +75,7 @@ def plan_children(config_path: str, config: Any, only: str | None, only_name: st
                 continue
             children.append(Child(f"worker {app.name}", [py, "-m", "workers", "-c", config_path, "--app", app.name],
                                   queue=processor_queue(app.name), env=_app_env(app)))
-    if only == "flower":
+    if only == "flower" or (only is None and config.flower.enabled):
         children.append(Child("flower", [py, "-m", "twinkle.server.flower", "-c", config_path]))
     return children
 
@@ -88,6 +89,9 @@ def _replicas(app: Any) -> int:
 
 def _app_env(app: Any) -> dict[str, str]:
     env: dict[str, str] = {}
+    if getattr(app.args, "backend", None) == "mock" or getattr(app.args, "sampler_type", None) == "mock":
+        # the mock's small matrices run slower with BLAS threads fighting the API for the cores
+        env["OPENBLAS_NUM_THREADS"] = os.environ.get("OPENBLAS_NUM_THREADS", "1")
     for deployment in app.deployments or []:
         if deployment.runtime_env is not None:
             env.update({k: str(v) for k, v in (deployment.runtime_env.env_vars or {}).items()})
@@ -141,7 +145,8 @@ class Supervisor:
                 child.proc.wait()
 
 
-def wait_until_ready(config: Any, sup: Supervisor, only: str | None, stop: dict[str, bool]) -> None:
+def wait_until_ready(config: Any, sup: Supervisor, only: str | None, stop: dict[str, bool],
+                     status: PoolStatusPrinter | None = None) -> None:
     """Print where the API listens and each pool as it becomes ready."""
     import httpx
 
@@ -166,6 +171,8 @@ def wait_until_ready(config: Any, sup: Supervisor, only: str | None, stop: dict[
             if raw:
                 pending_pools.discard(queue)
                 print(f"[twinkle] pool {queue} ready ({json.loads(raw).get('pid')})", flush=True)
+        if status is not None:
+            status.maybe_print(sup.children)
         time.sleep(0.1)
 
 
@@ -195,6 +202,7 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
         print(f"[twinkle] restored {restore_snapshot(r, snapshot_path)} durable records from {snapshot_path}",
               flush=True)
     sup = Supervisor(plan_children(config_path, config, only, only_name), r, keys)
+    status = PoolStatusPrinter(r, keys)
     stop = {"requested": False}
 
     def _on_signal(signum: int, _frame: Any) -> None:
@@ -205,11 +213,12 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
     started = time.time()
     try:
         sup.start_all()
-        wait_until_ready(config, sup, only, stop)
+        wait_until_ready(config, sup, only, stop, status)
         print(f"[twinkle] ready in {time.time() - started:.1f} s; Ctrl-C to stop", flush=True)
         last_snapshot = time.time()
         while not stop["requested"]:
             sup.check()
+            status.maybe_print(sup.children)
             if snapshot_path and time.time() - last_snapshot > SNAPSHOT_SECONDS:
                 save_snapshot(r, keys, snapshot_path)
                 last_snapshot = time.time()
