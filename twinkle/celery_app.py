@@ -16,7 +16,9 @@ def task_name(op: str) -> str:
     return f"twinkle.{op}"
 
 
-def make_celery(broker_url: str, *, key_prefix: str = "") -> Celery:
+def make_celery(broker_url: str, *, key_prefix: str = "", events: bool = True) -> Celery:
+    """`events` (task-sent/-received/-started/-succeeded messages) feed Flower; they cost a publish each,
+    so servers without Flower turn them off."""
     app = Celery("twinkle", broker=broker_url, set_as_current=False)
     transport = {
         "visibility_timeout": VISIBILITY_TIMEOUT,
@@ -37,8 +39,8 @@ def make_celery(broker_url: str, *, key_prefix: str = "") -> Celery:
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
         worker_cancel_long_running_tasks_on_connection_loss=False,
-        worker_send_task_events=True,
-        task_send_sent_event=True,
+        worker_send_task_events=events,
+        task_send_sent_event=events,
         worker_hijack_root_logger=False,
         task_create_missing_queues=True,
         broker_pool_limit=64,
