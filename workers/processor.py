@@ -40,3 +40,11 @@ def encode(rec: FutureRecord, req: dict[str, Any]) -> dict[str, Any]:
 
 def handlers() -> dict[str, Any]:
     return {Op.ENCODE: encode}
+
+
+def warm_up() -> None:
+    """Import the tokenizer stack once in the parent, so every prefork child starts with it loaded."""
+    import transformers  # noqa: F401
+
+    import twinkle.data_format
+    import twinkle.template  # noqa: F401
