@@ -10,7 +10,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 install: $(BIN)/python
-	$(BIN)/pip install -q -e ".[server,client,dev]"
+	$(BIN)/pip install -q -e ".[server,client,dev,telemetry,flower]"
 
 # The main job: a real server on an embedded broker with a tiny local model, and a client training against it.
 demo: install

@@ -23,6 +23,7 @@ from twinkle.catalog import Catalog
 from twinkle.celery_app import make_celery
 from twinkle.checkpoints import CheckpointStore
 from twinkle.keys import Keys
+from twinkle.telemetry import setup_api_telemetry
 
 log = logging.getLogger("twinkle.api")
 DEFAULT_PREFIX = "/api/v1"
@@ -38,8 +39,8 @@ def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30
     keys = Keys(config.persistence.key_prefix)
     server = config.server_app()
     session_ttl = int(server.args.server_config.expiration_timeout) if server else 86400
-    store = Store(r, keys, make_celery(broker_url), future_ttl=config.storage.future_ttl_seconds,
-                  session_ttl=session_ttl)
+    celery = make_celery(broker_url, events=config.flower.enabled)
+    store = Store(r, keys, celery, future_ttl=config.storage.future_ttl_seconds, session_ttl=session_ttl)
     auth = KeyChecker(set(config.auth.api_keys), config.auth.keys_file)
     catalog = Catalog(config)
     return ApiContext(config=config, store=store, hub=FutureHub(r), catalog=catalog, keys=keys, auth=auth,
@@ -69,4 +70,5 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
     prefix = api_prefix(config)
     for module in (session, training, sampling, futures, rest, twinkle):
         app.include_router(module.router, prefix=prefix)
+    setup_api_telemetry(app, config)
     return app

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from twinkle.errors import BrokerUnavailable, RateLimited, TwinkleError
 
 log = logging.getLogger("twinkle.api")
+BROKER_RETRY_AFTER_SECONDS = 2  # a Redis restart takes a few seconds
 
 
 def request_id_of(request: Request) -> str:
@@ -34,6 +35,8 @@ def error_response(request: Request, exc: TwinkleError) -> JSONResponse:
         retry_after = float(exc.details.get("retry_after", 1))
         headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
         headers["Retry-After-Ms"] = str(max(1, math.ceil(retry_after * 1000)))  # the Tinker SDK reads it first
+    if isinstance(exc, BrokerUnavailable):
+        headers["Retry-After"] = str(BROKER_RETRY_AFTER_SECONDS)
     if exc.status_code >= 500 or exc.status_code in (429,):
         headers.setdefault("x-should-retry", "true")
     elif exc.status_code < 500:
@@ -49,10 +52,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(redis.exceptions.ConnectionError)
     @app.exception_handler(redis.exceptions.TimeoutError)
     async def _broker_down(request: Request, exc: Exception) -> JSONResponse:
-        response = error_response(request, BrokerUnavailable(
+        return error_response(request, BrokerUnavailable(
             "The server's queue (Redis) is unreachable.", hint="Retry in a few seconds."))
-        response.headers["Retry-After"] = "2"
-        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -21,6 +21,7 @@ from twinkle.catalog import Catalog
 from twinkle.config import QueueConfig
 from twinkle.errors import InvalidRequest, RateLimited
 from twinkle.keys import Keys
+from twinkle.telemetry import record_rate_limit_rejection
 
 
 @dataclass(frozen=True)
@@ -102,11 +103,9 @@ class RateLimiter:
                   secrets.token_hex(8), app])
         if not refused:
             return
+        record_rate_limit_rejection(app, "requests" if int(refused) == 1 else "tokens")
         retry_after = max(0.001, int(wait_ms) / 1000)
-        if int(refused) == 1:
-            what = f"{config.rps_limit:g} requests/s"
-        else:
-            what = f"{config.tps_limit:g} input tokens/s"
+        what = f"{config.rps_limit:g} requests/s" if int(refused) == 1 else f"{config.tps_limit:g} input tokens/s"
         raise RateLimited(
             f"This API key is over its rate limit of {what} on {app} (measured over "
             f"{config.window_seconds:g} s).", hint=f"Retry after {retry_after:.2f} s; the Tinker SDK does so "
@@ -130,6 +129,7 @@ class RateLimiter:
         return None
 
     async def _count(self, app: str, reason: str) -> None:
+        record_rate_limit_rejection(app, reason)
         await self.r.hincrby(self.keys.rate_rejections(), f"{app}:{reason}", 1)
 
 

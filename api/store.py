@@ -15,12 +15,16 @@ from typing import Any
 import redis.asyncio as aioredis
 from celery import Celery
 
+from api.lost_futures import LostFutures
 from twinkle import blobs
 from twinkle.celery_app import task_name
 from twinkle.errors import AdapterGone, BrokerUnavailable, Expired, LimitExceeded, NotFound
 from twinkle.futures import FutureRecord, FutureStatus, new_request_id, request_id_created_at
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord, SamplingSessionRecord, SessionRecord
+from twinkle.telemetry import submit_trace
+
+BROKER_IDENTITY_MAX_AGE = 2.0  # seconds between run_id checks
 
 
 class Store:
@@ -33,12 +37,20 @@ class Store:
         self.session_ttl = session_ttl
         self.broker_started_at = 0.0
         self.broker_run_id = ""
+        self._identity_checked = 0.0
+        self.lost = LostFutures(r, keys)
         self._submit_script = r.register_script(_SUBMIT)
 
     async def refresh_broker_identity(self) -> None:
         info = await self.r.info("server")
         self.broker_run_id = str(info.get("run_id", ""))
         self.broker_started_at = time.time() - float(info.get("uptime_in_seconds", 0))
+        self._identity_checked = time.monotonic()
+
+    async def _fresh_broker_identity(self) -> None:
+        """Notice a broker restart within a couple of seconds (a restart changes the run_id)."""
+        if time.monotonic() - self._identity_checked > BROKER_IDENTITY_MAX_AGE:
+            await self.refresh_broker_identity()
 
     # -- futures -------------------------------------------------------------------------------
 
@@ -54,7 +66,8 @@ class Store:
         dedupe_key = self.keys.dedupe(scope, seq_id) if seq_id is not None and scope else ""
         record = FutureRecord(request_id=request_id, op=op, owner=owner, model_id=model_id, queue=queue,
                               seq_id=-1 if seq_id is None else seq_id, created_at=time.time(),
-                              broker_run_id=self.broker_run_id)
+                              broker_run_id=self.broker_run_id,
+                              trace=submit_trace(request_id, op, model_id, queue, scope))
         fields = [str(x) for kv in record.to_hash().items() for x in kv]
         winner = await self._submit_script(
             keys=[dedupe_key or self.keys.future(request_id), self.keys.queue_tickets(queue),
@@ -79,12 +92,16 @@ class Store:
         if raw:
             record = FutureRecord.from_hash(raw)
             if record.owner == owner:
-                return record
+                if record.state.terminal:
+                    return record
+                await self._fresh_broker_identity()
+                return await self.lost.check(record, self.broker_run_id)
             raise NotFound(f"Future {request_id} not found.")
         created = request_id_created_at(request_id)
         if created is not None and created < time.time() - self.future_ttl:
             raise Expired(f"Future {request_id} has expired.", hint="Results are kept for "
                           f"{self.future_ttl} s; submit the request again.")
+        await self._fresh_broker_identity()
         if created is not None and self.broker_started_at and created < self.broker_started_at:
             # Redis restarted without persistence after this request was accepted: it is gone.
             return FutureRecord(request_id=request_id, op="", owner=owner, model_id="", queue="",
@@ -96,7 +113,7 @@ class Store:
         data = await self.r.get(self.keys.blob_out(request_id))
         if data is None:
             raise Expired(f"The result of {request_id} is no longer available.", hint="Submit the request again.")
-        return blobs.loads(data)
+        return blobs.loads(data if isinstance(data, bytes) else data.encode())
 
     async def queue_position(self, record: FutureRecord) -> int:
         started = await self.r.get(self.keys.queue_started(record.queue))
@@ -160,7 +177,9 @@ class Store:
 
     async def model(self, model_id: str, owner: str, *, active: bool = True) -> ModelRecord:
         raw = await self.r.hgetall(self.keys.model(model_id))
-        record = ModelRecord.from_hash(raw) if raw else None
+        # A hash without its identity fields is the residue of late writes (a worker's op counter, a
+        # submit's timestamp) to a record that was deleted meanwhile: the model is gone.
+        record = ModelRecord.from_hash(raw) if raw and (b"owner" in raw or "owner" in raw) else None
         if record is None or record.owner != owner:
             raise NotFound(f"Model {model_id} not found.", hint="Create a training client first.")
         if active and record.status != "active":
@@ -218,7 +237,7 @@ redis.call('SET', KEYS[4], ARGV[3], 'EX', ARGV[2])
 redis.call('HSET', KEYS[3], unpack(ARGV, 6))
 redis.call('HSET', KEYS[3], 'ticket', ticket)
 redis.call('EXPIRE', KEYS[3], ARGV[2])
-if KEYS[5] ~= '' then redis.call('HSET', KEYS[5], 'last_request_at', ARGV[4]) end
+if KEYS[5] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then redis.call('HSET', KEYS[5], 'last_request_at', ARGV[4]) end
 return ARGV[1]
 """
 

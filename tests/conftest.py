@@ -30,3 +30,19 @@ def transformers_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir
                     sampler=True, env={"OMP_NUM_THREADS": "1"})
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    """One Ray instance on loopback for the whole session (starting Ray costs seconds); its GCS address is
+    what launched servers join through `ray.address`."""
+    import os
+
+    # before Ray is imported: no token auth, and 127.0.0.1 stays the node address (CELERY_NOTES section 9)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    ray.init(num_cpus=6, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             namespace="twinkle_cluster")
+    yield str(ray.get_runtime_context().gcs_address)
+    ray.shutdown()

@@ -8,9 +8,16 @@ With no keys configured (development), every distinct key is accepted as its own
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from twinkle.errors import Unauthenticated
+
+log = logging.getLogger("twinkle.auth")
 
 
 def hash_key(raw_key: str) -> str:
@@ -22,7 +29,8 @@ def tenant_id(raw_key: str) -> str:
 
 
 def read_keys_file(path: str | Path) -> set[str]:
-    """One SHA-256 hex hash per line; blank lines and `#` comments ignored."""
+    """The first field of each line is a SHA-256 hex hash (see twinkle.keys_file for the rest); blank
+    lines and `#` comments ignored."""
     p = Path(path)
     if not p.exists():
         return set()
@@ -35,18 +43,51 @@ def read_keys_file(path: str | Path) -> set[str]:
 
 
 class KeyChecker:
-    def __init__(self, key_hashes: set[str], keys_file: str | None = None) -> None:
+    """Accepts the configured hashes and those in the keys file, which is re-read when it changes.
+
+    The file is stat'ed at most once per `recheck_seconds`, so `twinkle-server keys revoke` takes effect
+    within about a second, without a restart and without a syscall per request.
+    """
+
+    def __init__(self, key_hashes: set[str], keys_file: str | None = None, *, recheck_seconds: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._static = {h.lower() for h in key_hashes}
         self._keys_file = keys_file
+        self._recheck_seconds = recheck_seconds
+        self._clock = clock
+        self._checked_at = -math.inf
+        self._file_signature: tuple[int, int, int] | None = None
+        self._accepted = frozenset(self._static)
 
     @property
     def dev_mode(self) -> bool:
         return not self._static and not self._keys_file
 
-    def _allowed(self) -> set[str]:
+    def _allowed(self) -> frozenset[str]:
         if self._keys_file:
-            return self._static | read_keys_file(self._keys_file)
-        return self._static
+            now = self._clock()
+            if now - self._checked_at >= self._recheck_seconds:
+                self._checked_at = now
+                self._reload_if_changed(self._keys_file)
+        return self._accepted
+
+    def _reload_if_changed(self, path: str) -> None:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            signature = None
+        else:
+            signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if signature == self._file_signature:
+            return
+        try:
+            hashes = read_keys_file(path) if signature else set()
+        except OSError as exc:  # unreadable for a moment: keep the keys we had rather than lock everyone out
+            log.warning("keys file %s unreadable (%s); keeping the previous keys", path, exc)
+            return
+        self._file_signature = signature
+        self._accepted = frozenset(self._static | hashes)
+        log.info("keys file %s loaded: %d keys accepted", path, len(self._accepted))
 
     def tenant_for(self, raw_key: str | None) -> str:
         if not raw_key:

@@ -71,7 +71,7 @@ def restore_unacked(r: redis.Redis, queue: str, *, key_prefix: str = "") -> int:
     supervisor calls this before it starts the replacement.
     """
     unacked, index = key_prefix + UNACKED, key_prefix + UNACKED_INDEX
-    tags = r.zrange(index, 0, -1)  # oldest delivery first
+    tags: list[bytes] = r.zrange(index, 0, -1)  # type: ignore[assignment]  # oldest delivery first
     restored = 0
     for tag in reversed(tags):  # RPUSH newest first, so the oldest ends up at the head
         raw = r.hget(unacked, tag)

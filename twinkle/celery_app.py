@@ -20,7 +20,7 @@ def make_celery(broker_url: str, *, key_prefix: str = "", events: bool = True) -
     """`events` (task-sent/-received/-started/-succeeded messages) feed Flower; they cost a publish each,
     so servers without Flower turn them off."""
     app = Celery("twinkle", broker=broker_url, set_as_current=False)
-    transport = {
+    transport: dict[str, object] = {
         "visibility_timeout": VISIBILITY_TIMEOUT,
         "socket_timeout": 30,
         "health_check_interval": 25,

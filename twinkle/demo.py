@@ -67,7 +67,8 @@ def train(base_url: str, model_dir: Path, steps: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     tokens = tokenizer.encode(PROMPT)
     datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+                        loss_fn_inputs={"target_tokens": tokens[1:],
+                                        "weights": [1.0] * (len(tokens) - 1)})  # type: ignore[dict-item]
     service = tinker.ServiceClient(base_url=base_url, api_key="tml-demo")
     training = service.create_lora_training_client(base_model="tiny-qwen", rank=16).result()
     print(f"training LoRA adapter {training.model_id} on {len(tokens)} tokens")

@@ -5,6 +5,7 @@ Each record is a dataclass of flat fields; dict and list fields are stored as JS
 
 from __future__ import annotations
 
+import functools
 import json
 import typing
 from dataclasses import dataclass, field, fields
@@ -14,8 +15,8 @@ from typing import Any, Self
 class HashRecord:
     """Round-trips a flat dataclass through a Redis hash."""
 
-    def to_hash(self) -> dict[str, str | int | float]:
-        out: dict[str, str | int | float] = {}
+    def to_hash(self) -> dict[Any, Any]:
+        out: dict[Any, Any] = {}
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if isinstance(value, bool):
@@ -34,13 +35,19 @@ class HashRecord:
             (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in raw.items()
         }
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)  # type: ignore[arg-type]
         kwargs: dict[str, Any] = {}
         for f in fields(cls):  # type: ignore[arg-type]
             if f.name not in decoded:
                 continue
             kwargs[f.name] = _parse(hints[f.name], decoded[f.name])
         return cls(**kwargs)
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    # Resolving the string annotations costs milliseconds; every request reads a record or two.
+    return typing.get_type_hints(cls)
 
 
 def _parse(hint: Any, value: str) -> Any:

@@ -8,7 +8,7 @@ float32. Ragged per-datum values are lists of arrays.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -109,6 +109,13 @@ class LoraSpec:
     train_unembed: bool = True
     target_modules: tuple[str, ...] | str | None = None  # None: derived from train_* flags
     dropout: float = 0.0
+
+
+def lora_spec_from_dict(values: dict[str, Any]) -> LoraSpec:
+    """A LoraSpec from its stored form (model records, checkpoint metadata); unknown keys are ignored."""
+    known: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()
+             if k in LoraSpec.__dataclass_fields__}
+    return LoraSpec(**known)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,12 @@ from typing import Any
 
 from twinkle.backends import BACKENDS, DEFAULT_SAMPLER_FOR_BACKEND, SAMPLERS, resolve
 from twinkle.catalog import strip_scheme
+from twinkle.config.parallelism import needs_ray
 
 MOCK_DEFAULT_VOCAB = 32000
+# A private Ray instance for one pool: no token auth (a stale ~/.ray token would switch it on), and
+# 127.0.0.1 kept as the node address instead of being replaced by eth0's (Ray reads this at import).
+PRIVATE_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def _mock_source(model_id: str) -> str | int:
@@ -26,6 +30,27 @@ def build_model_backend(args: Any, sampler_factory: Any = None) -> Any:
         return cls(args.model_id, torch_dtype=args.torch_dtype, max_loras=max_loras, max_length=args.max_length,
                    device_mesh=args.device_mesh, sampler_factory=sampler_factory)
     return cls(args.model_id, torch_dtype=args.torch_dtype, max_loras=max_loras, max_length=args.max_length)
+
+
+def build_model_pool(config: Any, app: Any, replica: int) -> tuple[Any, Any]:
+    """A model pool's backend and checkpoint sampler: in this process, or on a Ray device group when the
+    pool spans several ranks or the config names a Ray cluster."""
+    if needs_ray(config, app.args):
+        if not config.ray.address:
+            for key, value in PRIVATE_RAY_ENV.items():
+                os.environ.setdefault(key, value)
+        from workers.device_group import start_device_group  # deferred: imports Ray, which reads the env
+
+        return start_device_group(config, app, f"{app.name}.{replica}")
+    return build_backend_and_sampler(app.args)
+
+
+def build_backend_and_sampler(args: Any) -> tuple[Any, Any]:
+    """One backend replica and the sampler it serves sampler checkpoints with."""
+    holder: dict[str, Any] = {}  # megatron samples in memory through the pool's sampler, built next
+    backend = build_model_backend(args, sampler_factory=lambda: holder["sampler"])
+    sampler = holder["sampler"] = build_pool_sampler(args, backend)
+    return backend, sampler
 
 
 def build_sampler(model_id: str, sampler_type: str, *, max_loras: int = 4, torch_dtype: str = "auto",

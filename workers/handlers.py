@@ -25,6 +25,7 @@ from twinkle.types import (
     SampleRequest,
     SaveRequest,
     input_length,
+    lora_spec_from_dict,
 )
 from workers.batcher import SampleBatcher
 from workers.twinkle_ops import TwinkleOps
@@ -171,7 +172,7 @@ class ModelPoolHandlers:
                                  hint="Load a training checkpoint (…/weights/<name>) to restore the optimizer.")
         if not self.backend.has_adapter(rec.model_id):
             metadata = json.loads((directory / "checkpoint_metadata.json").read_text())
-            spec = req.lora or LoraSpec(**_lora_fields(metadata.get("lora") or {}))
+            spec = req.lora or lora_spec_from_dict(metadata.get("lora") or {})
             self.backend.create_adapter(rec.model_id, spec)
             self._hold(rec.model_id)
         self.backend.load_state(rec.model_id, directory, include_optimizer=req.include_optimizer)
@@ -195,7 +196,7 @@ class ModelPoolHandlers:
             out = self.backend.sample(None, [req])[0]
         else:
             out = self.sampler.sample([req])[0]
-        out.prompt_length = input_length(req.prompt)
+        out.prompt_length = out.prompt_length or input_length(req.prompt)
         return out
 
     def unload_model(self, rec: FutureRecord, _: Any) -> dict[str, Any]:
@@ -218,15 +219,8 @@ class SamplerPoolHandlers:
 
     def sample(self, rec: FutureRecord, req: SampleRequest) -> SampleOutput:
         out = self.batcher.sample(req)
-        out.prompt_length = input_length(req.prompt)
+        out.prompt_length = out.prompt_length or input_length(req.prompt)
         return out
-
-
-def _lora_fields(lora: dict[str, Any]) -> dict[str, Any]:
-    allowed = {k: v for k, v in lora.items() if k in LoraSpec.__dataclass_fields__}
-    if isinstance(allowed.get("target_modules"), list):
-        allowed["target_modules"] = tuple(allowed["target_modules"])
-    return allowed
 
 
 def spec_to_dict(spec: LoraSpec) -> dict[str, Any]:

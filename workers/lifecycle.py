@@ -49,7 +49,11 @@ class AdapterReaper:
         expired = []
         for adapter_id in self.adapter_ids():
             raw = self.r.hgetall(self.keys.model(adapter_id))
-            if not raw:
+            if not raw:  # the broker lost its state (restart without persistence): nobody can reach it
+                with self.lock:
+                    self.remove(adapter_id)
+                expired.append(adapter_id)
+                log.warning("unloaded adapter %s: its record is gone from the broker", adapter_id)
                 continue
             model = ModelRecord.from_hash(raw)
             reason = self.expiry_reason(model, now)

@@ -16,6 +16,8 @@ from dataclasses import asdict
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.celery_app import make_celery, task_name
@@ -25,13 +27,16 @@ from twinkle.futures import Op
 from twinkle.keys import Keys
 from twinkle.telemetry import op_span, setup_worker_telemetry
 from workers import processor
-from workers.factory import build_model_backend, build_pool_sampler, build_sampler
+from workers.factory import build_model_pool, build_sampler
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
 from workers.lifecycle import AdapterReaper
 from workers.runtime import PoolRuntime
+from workers.snapshots import AdapterSnapshots
+from workers.watchdog import Watchdog
 
 log = logging.getLogger("twinkle.worker")
 HEARTBEAT_SECONDS = 2.0
+BROKER_RETRIES = 30
 
 
 def broker_url_from(config: Any) -> str:
@@ -58,9 +63,7 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
         log.info("pool %s: loading %s", queue, args.model_id)
     started = time.perf_counter()
     if app.import_path == "model":
-        holder: dict[str, Any] = {}  # megatron samples in memory through the pool's sampler, built next
-        backend = build_model_backend(args, sampler_factory=lambda: holder["sampler"])
-        sampler = holder["sampler"] = build_pool_sampler(args, backend)
+        backend, sampler = build_model_pool(config, app, replica)  # in process, or on a Ray device group
         model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys, queue)
         runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=ttl,
                               has_adapter=backend.has_adapter)
@@ -69,6 +72,10 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
                                lock=runtime.lock, adapter_timeout=adapters.adapter_timeout,
                                max_lifetime=adapters.adapter_max_lifetime)
         threading.Thread(target=reaper.run_forever, name="adapter-reaper", daemon=True).start()
+        if args.queue_config.execution_timeout > 0:
+            Watchdog(runtime, args.queue_config.execution_timeout).start()
+        if adapters.snapshot_interval > 0:
+            AdapterSnapshots(model_handlers, runtime.lock, adapters.snapshot_interval).start()
         info = backend.info
     elif app.import_path == "sampler":
         sampler = build_sampler(args.model_id, args.sampler_type, max_loras=args.adapter_config.max_loras,
@@ -77,13 +84,14 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
                               future_ttl=ttl, serialize=False)
         info = sampler.info
     elif app.import_path == "processor":
+        processor.warm_up()
         runtime = PoolRuntime(r, keys, queue, processor.handlers(), future_ttl=ttl, serialize=False)
-        r.set(keys.pool_info(app.name), json.dumps({"processes": args.ncpu_proc_per_node}))
+        runtime.announce(keys.pool_info(app.name), json.dumps({"processes": args.ncpu_proc_per_node}))
         log.info("pool %s: ready", queue)
         return runtime
     else:
         raise SystemExit(f"application {app.name!r} ({app.import_path}) has no pool worker")
-    r.set(keys.pool_info(app.name), json.dumps(asdict(info)))
+    runtime.announce(keys.pool_info(app.name), json.dumps(asdict(info)))
     log.info("pool %s: ready in %.1f s (%s)", queue, time.perf_counter() - started, info.model_name)
     return runtime
 
@@ -96,9 +104,16 @@ def sampler_slots(args: Any) -> int:
 
 def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime) -> None:
     while True:
+        running = runtime.current
         try:
-            r.set(keys.pool_heartbeat(queue), json.dumps({"pid": os.getpid(), "t": time.time(),
-                                                           "ops_done": runtime.ops_done}), ex=10)
+            pipe = r.pipeline(transaction=False)
+            pipe.set(keys.pool_heartbeat(queue), json.dumps({"pid": os.getpid(), "t": time.time(),
+                                                              "ops_done": runtime.ops_done,
+                                                              "current": running.rec.request_id if running else ""}),
+                     ex=10)
+            for key, value in runtime.announcements.items():
+                pipe.set(key, value, nx=True)  # a restarted broker lost it
+            pipe.execute()
         except redis.RedisError:
             pass  # the broker is down; Celery reconnects on its own and so do we next round
         time.sleep(HEARTBEAT_SECONDS)
@@ -109,10 +124,12 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     config = load_config(config_path)
     app = config.app(app_name)
     url = broker_url_from(config)
-    r = redis.Redis.from_url(url)
+    # ride out a broker restart (about a minute) instead of failing the op that was running
+    r = redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=2.0), BROKER_RETRIES),
+                             retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     keys = Keys(config.persistence.key_prefix)
     runtime = build_runtime(config, app, replica, r, keys)
-    celery = make_celery(url)
+    celery = make_celery(url, events=config.flower.enabled)
     for op in Op:
         _register(celery, runtime, op)
     setup_worker_telemetry(config, app_name, celery)
@@ -120,14 +137,15 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     # Model and sampler pools: one op at a time in one process that holds the model (threads, -c 1).
     # Processor pools: stateless CPU work in parallel processes (prefork).
     if app.import_path == "processor":
-        pool = ["-P", "prefork", "-c", str(app.args.ncpu_proc_per_node)]
+        pool = ["-P", "prefork", "-c", str(getattr(app.args, "ncpu_proc_per_node", 1))]
     elif app.import_path == "sampler":
         pool = ["-P", "threads", "-c", str(sampler_slots(app.args))]  # stateless: batched, may reorder
     else:
         pool = ["-P", "threads", "-c", "1"]
     celery.worker_main([
         "worker", *pool, "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",
-        "--without-mingle", "--without-gossip", "-E", f"--loglevel={loglevel}",
+        "--without-mingle", "--without-gossip", *(["-E"] if config.flower.enabled else []),
+        f"--loglevel={loglevel}",
     ])
 
 

@@ -11,7 +11,8 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -21,10 +22,17 @@ from twinkle.errors import AdapterGone, BackendFailure, TwinkleError, lost_state
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
+from twinkle.telemetry import task_finished, task_started
 
 log = logging.getLogger("twinkle.worker")
 
 Handler = Callable[[FutureRecord, Any], Any]
+
+
+@dataclass(frozen=True)
+class RunningOp:
+    rec: FutureRecord
+    started: float  # time.monotonic()
 
 
 class PoolRuntime:
@@ -41,6 +49,8 @@ class PoolRuntime:
         # pools run several ops concurrently (their handlers synchronise what they share).
         self.lock: Any = threading.Lock() if serialize else contextlib.nullcontext()
         self._begin_script = r.register_script(_BEGIN)
+        self.current: RunningOp | None = None  # the op inside its handler (model pools), for the hang watchdog
+        self.announcements: dict[str, str] = {}  # keys the heartbeat restores should the broker lose them
 
     def execute(self, op: str, request_id: str) -> None:
         raw, payload, model_raw = self._read(request_id)
@@ -60,7 +70,7 @@ class PoolRuntime:
         try:
             self._begin(rec)
             self._check_adapter_alive(op, rec, model)
-            with self.lock:
+            with self.lock, self._running(rec):
                 result = self.handlers[op](rec, blobs.loads(payload) if payload else None)
         except TwinkleError as exc:
             self._fail(rec, exc)
@@ -79,6 +89,30 @@ class PoolRuntime:
             self.ops_done += 1
             log.debug("%s %s took %.1f ms", op, request_id, (time.perf_counter() - started) * 1000)
 
+    def announce(self, key: str, value: str) -> None:
+        """Publish a value other processes read (the pool's model info) and keep it published."""
+        self.announcements[key] = value
+        self.r.set(key, value)
+
+    def abandon_current(self, exc: TwinkleError) -> FutureRecord | None:
+        """Fail the op inside its handler now; the hang watchdog does this just before the process exits."""
+        running = self.current
+        if running is None:
+            return None
+        self._fail(running.rec, exc)
+        return running.rec
+
+    @contextlib.contextmanager
+    def _running(self, rec: FutureRecord) -> Iterator[None]:
+        if isinstance(self.lock, contextlib.nullcontext):  # concurrent pools: no single current op
+            yield
+            return
+        self.current = RunningOp(rec, time.monotonic())
+        try:
+            yield
+        finally:
+            self.current = None
+
     # -- steps ---------------------------------------------------------------------------------
 
     def _read(self, request_id: str) -> tuple[dict[Any, Any], bytes | None, dict[Any, Any]]:
@@ -95,6 +129,7 @@ class PoolRuntime:
         self._begin_script(keys=[self.keys.future(rec.request_id), self.keys.model(rec.model_id) if rec.model_id
                                  else "", self.keys.queue_started(rec.queue or self.queue)],
                            args=[time.time(), rec.ticket])
+        task_started(rec)
 
     def _check_adapter_alive(self, op: str, rec: FutureRecord, model: ModelRecord | None) -> None:
         if self.has_adapter is None or op in (Op.CREATE_MODEL, Op.SAMPLE, Op.UNLOAD_MODEL) or not rec.model_id:
@@ -125,6 +160,8 @@ class PoolRuntime:
 
     def _complete(self, rec: FutureRecord, result: Any) -> None:
         rid = rec.request_id
+        if not self._still_recorded(rid):
+            return
         pipe = self.r.pipeline(transaction=True)
         pipe.set(self.keys.blob_out(rid), blobs.dumps(result), ex=self.future_ttl)
         pipe.hset(self.keys.future(rid), mapping={"status": FutureStatus.COMPLETED, "finished_at": time.time()})
@@ -132,9 +169,20 @@ class PoolRuntime:
         pipe.delete(self.keys.blob_in(rid))
         pipe.publish(self.keys.done_channel(rid), FutureStatus.COMPLETED.value)
         pipe.execute()
+        task_finished(rec, FutureStatus.COMPLETED, result=result)
+
+    def _still_recorded(self, request_id: str) -> bool:
+        """False when the broker lost the future (restarted without persistence): writing its outcome would
+        leave a partial record nobody owns, and the API already reports such futures as lost."""
+        if self.r.exists(self.keys.future(request_id)):
+            return True
+        log.warning("future %s vanished from the broker (restarted?); its outcome is dropped", request_id)
+        return False
 
     def _fail(self, rec: FutureRecord, exc: TwinkleError) -> None:
         rid = rec.request_id
+        if not self._still_recorded(rid):
+            return
         log.info("%s %s failed: %s", rec.op, rid, exc)
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.future(rid), mapping={
@@ -145,6 +193,7 @@ class PoolRuntime:
         pipe.delete(self.keys.blob_in(rid))
         pipe.publish(self.keys.done_channel(rid), FutureStatus.FAILED.value)
         pipe.execute()
+        task_finished(rec, FutureStatus.FAILED, error=exc)
 
 
 # KEYS: future, model ("" = none), queue_started. ARGV: now, ticket.

@@ -55,7 +55,9 @@ def _aligned(values: Any, n_targets: int, n_inputs: int, name: str) -> np.ndarra
 def datum_of(feature: dict[str, Any]) -> Datum:
     from twinkle.server.common import datum_from_input_feature
 
-    arrays = {k: np.asarray(v) for k, v in feature.items() if k in ("input_ids", "labels", "attention_mask")}
+    # Vision arrays (pixel_values, image_grid_thw, ...) ride along for the backend's forward.
+    arrays = {k: np.asarray(v) for k, v in feature.items()
+              if k in ("input_ids", "labels", "attention_mask") or k.startswith(("pixel_", "image_", "video_"))}
     datum = datum_from_input_feature(arrays)
     n_inputs = len(arrays["input_ids"])
     n_targets = n_inputs - 1

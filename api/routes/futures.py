@@ -15,6 +15,7 @@ from api.deps import Ctx, Tenant
 from api.schemas import RetrieveFutureBody
 from api.tinker_codec import encode_forward_backward_output, encode_sample_output
 from twinkle.futures import FutureRecord, FutureStatus, Op
+from twinkle.telemetry import link_future
 from twinkle.types import ForwardBackwardOutput, SampleOutput
 
 router = APIRouter()
@@ -46,6 +47,7 @@ async def wait_for_future(ctx: ApiContext, record: FutureRecord, tenant: str, ti
 async def retrieve_future(body: RetrieveFutureBody, request: Request, ctx: Ctx, tenant: Tenant
                           ) -> Response | dict[str, Any]:
     record = await ctx.store.future(body.request_id, tenant)
+    link_future(record)
     record = await wait_for_future(ctx, record, tenant, ctx.long_poll_seconds)
     if record.state is FutureStatus.FAILED:
         return {"error": record.error, "category": record.category or "server", "code": record.code}
@@ -84,7 +86,7 @@ def render_result(record: FutureRecord, result: Any, wants_proto: bool) -> Respo
     return body
 
 
-_TYPE_TAGS = {Op.SAVE_STATE: "save_weights", Op.LOAD_STATE: "load_weights"}
+_TYPE_TAGS: dict[str, str] = {Op.SAVE_STATE: "save_weights", Op.LOAD_STATE: "load_weights"}
 
 
 def forward_output_json(out: ForwardBackwardOutput) -> dict[str, Any]:

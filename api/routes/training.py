@@ -23,9 +23,35 @@ from twinkle.errors import InvalidRequest, PayloadTooLarge
 from twinkle.futures import Op
 from twinkle.losses import validate_loss
 from twinkle.records import ModelRecord
-from twinkle.types import LoadRequest, LoraSpec, SaveRequest, input_length
+from twinkle.types import LoadRequest, LoraSpec, SaveRequest, input_length, lora_spec_from_dict
 
 router = APIRouter()
+
+# /forward_backward and /forward read their body themselves (protobuf or JSON, maybe zstd), so FastAPI
+# cannot infer it; this describes it for the OpenAPI document, its readers and the fuzz test.
+_TENSOR = {"type": "object", "required": ["data", "dtype"], "properties": {
+    "data": {"type": "array", "items": {"type": "number"}},
+    "dtype": {"type": "string", "enum": ["int64", "float32"]},
+    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
+_DATUM = {"type": "object", "required": ["model_input"], "properties": {
+    "model_input": {"type": "object", "required": ["chunks"], "properties": {"chunks": {"type": "array", "items": {
+        "type": "object", "required": ["type", "tokens"], "properties": {
+            "type": {"type": "string", "enum": ["encoded_text"]},
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}}}},
+    "loss_fn_inputs": {"type": "object", "additionalProperties": _TENSOR}}}
+
+
+def _batch_body(input_key: str) -> dict[str, Any]:
+    batch = {"type": "object", "required": ["data", "loss_fn"], "properties": {
+        "data": {"type": "array", "items": _DATUM}, "loss_fn": {"type": "string"},
+        "loss_fn_config": {"type": "object", "additionalProperties": {"type": ["number", "string"]}}}}
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"type": "object", "required": ["model_id", input_key], "properties": {
+            "model_id": {"type": "string"}, "seq_id": {"type": "integer", "minimum": 0}, input_key: batch}}},
+        "application/x-protobuf": {"schema": {
+            "type": "string", "format": "binary",
+            "description": "tinker_public.ForwardBackwardRequest (Tinker SDK 0.38); Content-Encoding zstd allowed"}},
+    }}}
 
 
 def _future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
@@ -145,12 +171,12 @@ async def _check_lengths(ctx: ApiContext, record: ModelRecord, batch: Any) -> No
                                      f"(size {vocab}).", hint="Tokenize with the model's tokenizer (get_info).")
 
 
-@router.post("/forward_backward")
+@router.post("/forward_backward", openapi_extra=_batch_body("forward_backward_input"))
 async def forward_backward(request: Request, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     return await _forward(request, ctx, tenant, forward_only=False)
 
 
-@router.post("/forward")
+@router.post("/forward", openapi_extra=_batch_body("forward_input"))
 async def forward(request: Request, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     return await _forward(request, ctx, tenant, forward_only=True)
 
@@ -208,8 +234,7 @@ async def load_weights(body: LoadWeightsBody, ctx: Ctx, tenant: Tenant) -> dict[
     if not body.session_id:
         raise InvalidRequest("load_weights needs model_id, or session_id to create a model from the checkpoint.")
     lora = metadata.get("lora") or {}
-    spec = LoraSpec(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in lora.items()
-                       if k in LoraSpec.__dataclass_fields__})
+    spec = lora_spec_from_dict(lora)
     base_model = body.base_model or metadata.get("base_model") or ""
     record = await _register_model(ctx, tenant, body.session_id, body.model_seq_id, base_model, spec,
                                    body.user_metadata)

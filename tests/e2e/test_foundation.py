@@ -169,6 +169,14 @@ def test_a_killed_worker_is_restarted_and_its_running_future_fails_naming_the_ch
         big = [datum([(7 * i) % 500 + 3 for i in range(2000)]) for _ in range(64)]
         rid = c.post("/forward_backward", json=fb_body(model, big)).json()["request_id"]
         queued_after = c.post("/optim_step", json={"model_id": model, "adam_params": {}}).json()["request_id"]
+        # queued behind the crash too: another adapter's first ops, which must all run, in acceptance order
+        sid = c.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
+        late = c.post("/create_model", json={"session_id": sid, "base_model": "tiny-qwen",
+                                             "lora_config": {"rank": 4}}).json()
+        late_ops = [late["request_id"],
+                    c.post("/forward_backward", json=fb_body(late["model_id"], [datum([1, 2, 3, 4])])).json()[
+                        "request_id"],
+                    c.post("/optim_step", json={"model_id": late["model_id"], "adam_params": {}}).json()["request_id"]]
         deadline = time.time() + 30
         while mock_server.redis.hget(mock_server.keys.future(rid), "status") != b"running":
             assert time.time() < deadline, "the op never started"
@@ -179,6 +187,10 @@ def test_a_killed_worker_is_restarted_and_its_running_future_fails_naming_the_ch
         assert f"tinker://{model}/weights/before-crash" in failed["error"]
         nxt = wait(c, queued_after)
         assert nxt["category"] == "server" and "before-crash" in nxt["error"]
+        assert all("error" not in wait(c, request_id) for request_id in late_ops)
+        started = [float(mock_server.redis.hget(mock_server.keys.future(request_id), "started_at") or 0)
+                   for request_id in (queued_after, *late_ops)]
+        assert started == sorted(started) and started[0] > 0
         # the restarted worker serves other adapters, and this one can resume from its checkpoint
         other = new_model(c)
         assert "metrics" in wait(c, c.post("/forward_backward", json=fb_body(other, [datum([1, 2, 3])])).json()[

@@ -4,6 +4,9 @@ The base model is loaded once and frozen. Each tenant gets a named PEFT adapter 
 its own AdamW optimizer, step counter and random stream (`hf.tenant`). Gradients accumulate on the tenant's
 own parameters, and only the active tenant's parameters require grad, so interleaving tenants' calls
 gives the same result as running them one after another.
+
+A vision-language base model also takes images, as ImageChunks or as an InputFeature's vision arrays
+(`hf.images`); its tenants' LoRA adapters sit on the language model only.
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ import itertools
 import secrets
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from twinkle.backends import torch_losses
+from twinkle.backends.data_parallel import GradientReducer
 from twinkle.backends.hf import checkpoint
 from twinkle.backends.hf.batching import PaddedBatch, check_model_inputs, collate, target_logprobs
 from twinkle.backends.hf.generation import generate
+from twinkle.backends.hf.images import images_checked_by_model
 from twinkle.backends.hf.loading import load_base_model
 from twinkle.backends.hf.lora import lora_config
 from twinkle.backends.hf.shared_model import BASE_ADAPTER, SharedModel
@@ -77,7 +83,12 @@ class TransformersBackend:
                 hint="Unload an adapter or wait for idle ones to expire.",
                 max_loras=self.max_loras,
             )
-        config = lora_config(spec, base_model_name=self.info.model_name, unembed_module=self.shared.unembed_module)
+        config = lora_config(
+            spec,
+            base_model_name=self.info.model_name,
+            unembed_module=self.shared.unembed_module,
+            exclude_modules=self.shared.vision_modules,
+        )
         seed = spec.seed if spec.seed is not None else secrets.randbits(63)
         name = next(self._names)
         try:
@@ -113,10 +124,17 @@ class TransformersBackend:
         return self._run(self._tenant(adapter_id), batch, backward=True)
 
     def _run(self, tenant: Tenant, batch: ForwardBackwardInput, *, backward: bool) -> ForwardBackwardOutput:
-        config = torch_losses.validate(batch.loss_fn, batch.data, batch.loss_fn_config)
-        check_model_inputs(batch.data, vocab_size=self.info.vocab_size, max_length=self.info.max_context_length)
-        inputs = [torch_losses.datum_inputs(batch.loss_fn, datum) for datum in batch.data]
-        padded = collate(batch.data, inputs, pad_token_id=self.shared.base.pad_token_id, device=self.device)
+        # Images first: an image's token count, which the loss inputs must match, is known only once expanded.
+        images = self.shared.base.images
+        prepared = [images.datum(datum, f"datum {index}") for index, datum in enumerate(batch.data)]
+        data = [datum for datum, _ in prepared]
+        config = torch_losses.validate(batch.loss_fn, data, batch.loss_fn_config)
+        check_model_inputs(data, vocab_size=self.info.vocab_size, max_length=self.info.max_context_length)
+        inputs = [torch_losses.datum_inputs(batch.loss_fn, datum) for datum in data]
+        padded = collate(data, inputs, pad_token_id=self.shared.base.pad_token_id, device=self.device)
+        padded.vision = images.batch(
+            [vision for _, vision in prepared], device=self.device, dtype=self.shared.base.model.dtype
+        )
         self.shared.activate(tenant.name)
         reference = self._reference_logprobs(padded) if torch_losses.needs_reference(batch.loss_fn, config) else None
         self.shared.train(backward)  # LoRA dropout is on while training only
@@ -133,7 +151,14 @@ class TransformersBackend:
         return ForwardBackwardOutput(outputs, {"loss:sum": float(terms.total.detach()), **terms.metrics})
 
     def _logprobs(self, padded: PaddedBatch) -> torch.Tensor:
-        output = self.shared(input_ids=padded.input_ids, attention_mask=padded.attention_mask, use_cache=False)
+        with images_checked_by_model(bool(padded.vision)):
+            output = self.shared(
+                adapter_names=None,
+                input_ids=padded.input_ids,
+                attention_mask=padded.attention_mask,
+                use_cache=False,
+                **padded.vision,
+            )
         return target_logprobs(output.logits, padded.targets)
 
     def _reference_logprobs(self, padded: PaddedBatch) -> torch.Tensor:
@@ -144,6 +169,18 @@ class TransformersBackend:
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
         return adam_step(self._tenant(adapter_id), params)
+
+    def sync_gradients(self, adapter_id: str, reducer: GradientReducer) -> None:
+        """Sum the adapter's accumulated gradients over the data-parallel ranks (backends.data_parallel).
+        A parameter keeps grad None only where it has none on every rank, as AdamW skips those."""
+        params = self._tenant(adapter_id).params
+        present = reducer.union(np.array([param.grad is not None for param in params]))
+        if not present.any():
+            return
+        for param, has_grad in zip(params, present, strict=True):
+            if has_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        reducer.sum_([param.grad for param, has_grad in zip(params, present, strict=True) if has_grad])
 
     # Checkpoints
 

@@ -10,6 +10,7 @@ from typing_extensions import TypedDict
 from twinkle.config.base import StrictModel, config_problem
 from twinkle.config.devices import DeviceGroup, DeviceMesh
 from twinkle.config.limits import AdapterConfig, QueueConfig
+from twinkle.config.parallelism import parallelism_problems
 
 Backend = Literal["transformers", "megatron", "mock"]
 TorchDtype = Literal["auto", "bfloat16", "float32", "float16"]
@@ -108,6 +109,13 @@ class ModelArgs(StrictModel):
                 f"but device_group.ranks is {group.ranks}",
                 subpath="device_mesh",
                 hint="the training mesh must cover exactly the devices of its group",
+            )
+        refused = parallelism_problems(self.backend, mesh)
+        if refused:
+            raise config_problem(
+                "; ".join(refused),
+                subpath="device_mesh",
+                hint="set these sizes to 1 (dp_size adds ranks), or choose a backend that supports them",
             )
         return self
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
+
+from twinkle.config.parallelism import needs_ray
 
 
 def runtime_problems(config: Any, only_name: str | None = None) -> list[str]:
@@ -20,4 +23,7 @@ def runtime_problems(config: Any, only_name: str | None = None) -> list[str]:
             problem = None
         if problem is not None:
             problems.append(f"{app.name}: {problem}")
+        if app.import_path == "model" and needs_ray(config, app.args) and importlib.util.find_spec("ray") is None:
+            problems.append(f"{app.name}: its device group needs Ray, which is not installed "
+                            "(pip install 'twinkle[ray]')")
     return problems

@@ -238,7 +238,7 @@ def _keys_file_of(options: argparse.Namespace) -> Path:
     keys_file = load_config(options.config).auth.keys_file
     if not keys_file:
         options.parser.error(f"{options.config} sets no auth.keys_file; add one, or pass --keys-file")
-    return Path(keys_file)
+    return Path(str(keys_file))
 
 
 def _keys_add(options: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ import redis
 from twinkle.broker import EmbeddedBroker, restore_unacked
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.keys import Keys
+from twinkle.pool_exit import exit_reason
 from twinkle.state.persistence import restore_snapshot, save_snapshot
 from twinkle.telemetry.pool_status import PoolStatusPrinter
 
@@ -116,8 +117,10 @@ class Supervisor:
             if self.stopping or child.alive():
                 continue
             code = child.proc.returncode if child.proc else None
-            log.error("%s exited with code %s; restarting it", child.name, code)
-            print(f"[twinkle] {child.name} exited with code {code}; restarting", flush=True)
+            why = f" ({exit_reason(code)})" if exit_reason(code) else ""
+            log.error("%s exited with code %s%s; restarting it", child.name, code, why)
+            print(f"[twinkle] {child.name} exited with code {code}{why}; restarting", flush=True)
+            _kill_leftovers(child)
             if child.queue:
                 restored = restore_unacked(self.r, child.queue)
                 if restored:
@@ -143,6 +146,15 @@ class Supervisor:
                 log.warning("%s did not stop in time; killing it", child.name)
                 os.killpg(child.proc.pid, signal.SIGKILL)
                 child.proc.wait()
+
+
+def _kill_leftovers(child: Child) -> None:
+    """Kill what a dead worker left in its process group (a private Ray instance's agents outlive it)."""
+    if child.proc is not None:
+        try:
+            os.killpg(child.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def wait_until_ready(config: Any, sup: Supervisor, only: str | None, stop: dict[str, bool],

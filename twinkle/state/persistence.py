@@ -33,8 +33,12 @@ def state_url(config: Any, broker_url: str | None = None) -> str:
     return str(url)
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _scan(r: redis.Redis, pattern: str) -> list[bytes]:
-    return list(r.scan_iter(match=pattern, count=1000))
+    return [k if isinstance(k, bytes) else str(k).encode() for k in r.scan_iter(match=pattern, count=1000)]
 
 
 def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
@@ -42,11 +46,11 @@ def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     for pattern in DURABLE_PATTERNS:
         for key in _scan(r, keys.root + pattern):
             name = key.decode()
-            kind = r.type(key).decode()
+            kind = _text(r.type(key))
             if kind == "hash":
-                data[name] = {"hash": {k.decode(): v.decode() for k, v in r.hgetall(key).items()}}
+                data[name] = {"hash": {_text(k): _text(v) for k, v in r.hgetall(key).items()}}
             elif kind == "set":
-                data[name] = {"set": sorted(m.decode() for m in r.smembers(key))}
+                data[name] = {"set": sorted(_text(m) for m in r.smembers(key))}
     return data
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ class PaddedBatch:
     targets: torch.Tensor  # int64 [B, T] or [B, T, K]
     inputs: dict[str, torch.Tensor]  # float32, each shaped like targets
     lengths: list[int]
+    vision: dict[str, torch.Tensor] = field(default_factory=dict)  # extra forward arguments (pixel_values, ...)
 
     @property
     def mask(self) -> torch.Tensor:

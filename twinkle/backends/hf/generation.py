@@ -4,7 +4,8 @@ A batch of requests, each with its own adapter, runs as one batched generation: 
 and prefilled once per request, the KV cache is then copied to each of its `num_samples` rows, and every step
 feeds one token per unfinished row (finished rows leave the batch). Each request draws from its own
 `torch.Generator`, so a seeded request gives the same tokens whatever else shares its batch. Sampled and
-prompt logprobs are the raw model's (temperature 1), computed as the trainer computes them.
+prompt logprobs are the raw model's (temperature 1), computed as the trainer computes them. Images in a
+prompt are expanded into image tokens (`hf.images`) and read in the prefill; decoding then needs only the cache.
 """
 
 from __future__ import annotations
@@ -16,17 +17,10 @@ from typing import Any
 import torch
 
 from twinkle.backends.hf.batching import target_logprobs
+from twinkle.backends.hf.images import images_checked_by_model
 from twinkle.backends.hf.shared_model import SharedModel
 from twinkle.errors import InvalidRequest
-from twinkle.types import (
-    ImageChunk,
-    SampledSequence,
-    SampleOutput,
-    SampleRequest,
-    SamplingParams,
-    StopReason,
-    token_ids,
-)
+from twinkle.types import SampledSequence, SampleOutput, SampleRequest, SamplingParams, StopReason
 
 # A character can take up to 4 byte-level tokens; a stop string is searched for in this many tokens per char.
 _TOKENS_PER_STOP_CHAR = 4
@@ -48,11 +42,13 @@ def generate(
 ) -> list[SampleOutput]:
     """Complete every request; `adapter_names[i]` is request i's adapter (None: the active adapter)."""
     base = shared.base
-    prompts = [token_ids(request.prompt) for request in requests]
+    expanded = [base.images.prompt(request.prompt, f"request {index}") for index, request in enumerate(requests)]
+    prompts = [tokens for tokens, _ in expanded]
     _check_requests(requests, prompts, vocab_size=base.info.vocab_size, max_context=base.info.max_context_length)
     if not requests:
         return []
     device = base.device
+    vision = base.images.batch([arrays for _, arrays in expanded], device=device, dtype=base.model.dtype)
     shared.train(False)
     with torch.inference_mode():
         width = max(len(prompt) for prompt in prompts)
@@ -65,14 +61,16 @@ def generate(
         wants_prompt_logprobs = any(r.prompt_logprobs or r.topk_prompt_logprobs > 0 for r in requests)
         # Without prompt logprobs only the last position's logits are needed: spare the [B, T, vocab] tensor.
         last_only = {"logits_to_keep": 1} if shared.accepts_logits_to_keep and not wants_prompt_logprobs else {}
-        output = shared(
-            adapter_names,
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
-            use_cache=True,
-            **last_only,
-        )
+        with images_checked_by_model(bool(vision)):
+            output = shared(
+                adapter_names,
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True,
+                **last_only,
+                **vision,
+            )
         results = [
             _prompt_output(request, output.logits[index], input_ids[index], len(prompt))
             for index, (request, prompt) in enumerate(zip(requests, prompts, strict=True))
@@ -203,8 +201,11 @@ def _generator(params: SamplingParams, device: torch.device) -> torch.Generator:
 
 
 def _prompt_output(request: SampleRequest, logits: torch.Tensor, input_ids: torch.Tensor, length: int) -> SampleOutput:
-    """Prompt logprobs (first position None) and top-k alternatives from the prefill logits of one prompt."""
-    output = SampleOutput(sequences=[])
+    """Prompt logprobs (first position None) and top-k alternatives from the prefill logits of one prompt.
+
+    `prompt_length` counts the tokens the model read, each image as its expanded image tokens.
+    """
+    output = SampleOutput(sequences=[], prompt_length=length)
     if not (request.prompt_logprobs or request.topk_prompt_logprobs > 0):
         return output
     width = logits.shape[0]
@@ -230,8 +231,6 @@ def _check_requests(
     for index, (request, prompt) in enumerate(zip(requests, prompts, strict=True)):
         params = request.params
         tokens = torch.as_tensor(prompt)
-        if any(isinstance(chunk, ImageChunk) for chunk in request.prompt):
-            problems.append(f"request {index} holds images but this model reads text only")
         if tokens.numel() == 0:
             problems.append(f"request {index} has an empty prompt")
         elif int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:

@@ -1,4 +1,9 @@
-"""Find a base model (local directory, `hf://`, `ms://`), load it once, and describe it as a ModelInfo."""
+"""Find a base model (local directory, `hf://`, `ms://`), load it once, and describe it as a ModelInfo.
+
+A vision-language model (its config has a `vision_config`) loads as AutoModelForImageTextToText with its
+AutoProcessor, so images can reach it (`hf.images`); without a usable image processor it still trains and
+samples on text. Every other model loads as AutoModelForCausalLM with its tokenizer.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
+from twinkle.backends.hf.images import ImageInputs, vision_processor
 from twinkle.errors import InvalidRequest
 from twinkle.types import ModelInfo
 
@@ -27,6 +40,7 @@ class BaseModel:
     info: ModelInfo
     eos_token_ids: frozenset[int]
     pad_token_id: int
+    images: ImageInputs  # refuses images on a text-only model
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -90,19 +104,25 @@ def load_base_model(
     trust_remote_code_flag: bool | None = None,
     max_length: int | None = None,
 ) -> BaseModel:
-    """Load tokenizer and causal LM with frozen weights, on one device, in inference-friendly state."""
+    """Load tokenizer (or processor) and model with frozen weights, on one device, in inference-friendly state."""
     target_device = pick_device(device)
     dtype = pick_dtype(torch_dtype, target_device)
     directory = model_directory(model_id)
     remote = trust_remote_code(trust_remote_code_flag)
-    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=remote)
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, device_map={"": str(target_device)}, trust_remote_code=remote
-    )
+    placement: dict[str, Any] = {"dtype": dtype, "device_map": {"": str(target_device)}, "trust_remote_code": remote}
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=remote)
+    model = _image_text_model(directory, placement) if getattr(config, "vision_config", None) else None
+    processor = vision_processor(directory, trust_remote_code=remote) if model is not None else None
+    if processor is not None:
+        tokenizer = processor.tokenizer
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=remote)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(directory, **placement)
     model.requires_grad_(False)
     model.eval()
     eos_ids = _eos_token_ids(model, tokenizer)
-    context = max_length or _context_length(model.config)
+    context = max_length or _context_length(model.config.get_text_config())
     info = ModelInfo(
         model_name=_plain_name(model_id),
         vocab_size=int(model.get_output_embeddings().weight.shape[0]),
@@ -112,7 +132,20 @@ def load_base_model(
         eos_token_id=tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos_ids, default=None),
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (info.eos_token_id or 0)
-    return BaseModel(model, tokenizer, target_device, info, frozenset(eos_ids), int(pad))
+    images = ImageInputs(info.model_name, processor, model.forward, vision_model=has_vision_tower(model))
+    return BaseModel(model, tokenizer, target_device, info, frozenset(eos_ids), int(pad), images)
+
+
+def has_vision_tower(model: PreTrainedModel) -> bool:
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def _image_text_model(directory: Path, placement: dict[str, Any]) -> PreTrainedModel | None:
+    try:
+        model: PreTrainedModel = AutoModelForImageTextToText.from_pretrained(directory, **placement)
+    except ValueError:  # an architecture transformers maps to a causal LM only: it is served as text-only
+        return None
+    return model
 
 
 def _plain_name(model_id: str) -> str:

@@ -35,8 +35,14 @@ def target_modules(spec: LoraSpec, unembed_module: str) -> list[str] | str:
     return modules
 
 
-def lora_config(spec: LoraSpec, *, base_model_name: str, unembed_module: str = "lm_head") -> LoraConfig:
-    """A trainable LoraConfig; raises InvalidRequest for values PEFT would reject or misuse."""
+def lora_config(
+    spec: LoraSpec, *, base_model_name: str, unembed_module: str = "lm_head", exclude_modules: str | None = None
+) -> LoraConfig:
+    """A trainable LoraConfig; raises InvalidRequest for values PEFT would reject or misuse.
+
+    `exclude_modules` (a regex over full module names) keeps LoRA off modules the targets would also match,
+    such as a vision tower's `q_proj`.
+    """
     problems = []
     if spec.rank < 1:
         problems.append(f"rank must be >= 1, got {spec.rank}")
@@ -55,6 +61,7 @@ def lora_config(spec: LoraSpec, *, base_model_name: str, unembed_module: str = "
         lora_alpha=cast(int, DEFAULT_ALPHA if spec.alpha is None else spec.alpha),
         lora_dropout=spec.dropout,
         target_modules=modules,
+        exclude_modules=exclude_modules,
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_model_name,

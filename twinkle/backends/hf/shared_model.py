@@ -2,12 +2,14 @@
 
 The PeftModel is made on the first adapter and kept afterwards (PEFT leaves empty LoRA wrappers when the last
 adapter goes, which behave like the base layers). Only the active adapter's parameters require grad, so a
-backward pass never touches another tenant's weights.
+backward pass never touches another tenant's weights. On a vision-language model LoRA goes on the language
+model and its output head only: the vision tower and projector stay as they are (`vision_modules`).
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,8 +19,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
+from transformers import PreTrainedModel
 
-from twinkle.backends.hf.loading import BaseModel
+from twinkle.backends.hf.loading import BaseModel, has_vision_tower
 
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" rows in a mixed batch
 
@@ -30,6 +33,7 @@ class SharedModel:
         self.base = base
         self.peft: PeftModel | None = None
         self.unembed_module = _module_name(base.model, base.model.get_output_embeddings())
+        self.vision_modules = _vision_modules(base.model) if has_vision_tower(base.model) else None
         # transformers renamed `past_key_values` to `cache` (5.2x); speak whichever this version understands.
         forward_parameters = inspect.signature(base.model.forward).parameters
         self.cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"
@@ -139,3 +143,27 @@ def _module_name(model: nn.Module, target: nn.Module | None) -> str:
         if module is target:
             return name.rsplit(".", 1)[-1]
     return "lm_head"
+
+
+def _vision_modules(model: PreTrainedModel) -> str | None:
+    """A regex (PEFT's `exclude_modules`) matching every module outside the language model and output head.
+
+    It names the largest such subtrees (e.g. `model.vision_tower`, `model.multi_modal_projector`), so it
+    stays short however deep the vision tower is.
+    """
+    kept = [module for module in (model.get_decoder(), model.get_output_embeddings()) if module is not None]
+    if not kept or any(module is model for module in kept):
+        return None
+    kept_names = {name for name, module in model.named_modules() if any(module is other for other in kept)}
+    prefixes: list[str] = []
+    for name, module in model.named_modules():
+        if not name or name in kept_names or next(module.parameters(), None) is None:
+            continue
+        inside_kept = any(name.startswith(f"{kept_name}.") for kept_name in kept_names)
+        holds_kept = any(kept_name.startswith(f"{name}.") for kept_name in kept_names)
+        parent_listed = any(name.startswith(f"{prefix}.") for prefix in prefixes)
+        if not (inside_kept or holds_kept or parent_listed):
+            prefixes.append(name)
+    if not prefixes:
+        return None
+    return "(?:" + "|".join(re.escape(prefix) for prefix in prefixes) + r")(?:\..*)?"

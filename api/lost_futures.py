@@ -1,0 +1,103 @@
+"""Futures whose message the broker lost in a restart end `failed` instead of waiting forever.
+
+Every future record carries the Redis `run_id` of the broker it was submitted to. A record whose run_id
+differs from the broker's current one survived a broker restart (AOF, RDB, a restored snapshot) but its
+queued message may not have. The message is looked for where it can be: in its pool queue, or delivered
+and unacknowledged (kombu's `unacked` hash); for a running op, also in the pool's heartbeat, which names
+the op its worker is executing. Found: the record adopts the new run_id and is never checked again. Not
+found twice, half a second apart (the gap between a worker's BRPOP and its unacked write): the record is
+failed, once, atomically, so that a waiting long-poll wakes up. A record that vanished with the broker
+is the Store's concern (its id's timestamp predates the broker's start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import redis.asyncio as aioredis
+
+from twinkle.broker import UNACKED
+from twinkle.futures import FutureRecord, FutureStatus
+from twinkle.keys import Keys
+
+RECHECK_SECONDS = 0.5
+LOST_ERROR = ("The server's queue (Redis) restarted and lost this request before it ran. Submit it again; "
+              "the model's state is unchanged by it.")
+
+
+class LostFutures:
+    def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
+        self.r = r
+        self.keys = keys
+        self._fail_script = r.register_script(_FAIL_IF_UNCHANGED)
+
+    async def check(self, record: FutureRecord, broker_run_id: str) -> FutureRecord:
+        """The record as it should be seen: unchanged, adopted by the current broker, or failed as lost."""
+        if record.state.terminal or not record.broker_run_id or not broker_run_id:
+            return record
+        if record.broker_run_id == broker_run_id:
+            return record
+        for attempt in range(2):
+            found = await self._message_found(record)
+            if found is None:
+                return record  # cannot tell yet (the pool is restarting); ask again on the next poll
+            if found:
+                await self.r.eval(_ADOPT, 1, self.keys.future(record.request_id), broker_run_id)
+                return record
+            if attempt == 0:
+                await asyncio.sleep(RECHECK_SECONDS)
+                raw = await self.r.hgetall(self.keys.future(record.request_id))
+                if not raw:
+                    return record
+                fresh = FutureRecord.from_hash(raw)
+                if fresh.status != record.status:
+                    return fresh  # it moved on (a worker took it, or it finished)
+        return await self._fail(record)
+
+    async def _message_found(self, record: FutureRecord) -> bool | None:
+        needle = record.request_id.encode()
+        queued = await self.r.lrange(record.queue, 0, -1) if record.state is FutureStatus.QUEUED else []
+        if any(needle in raw for raw in queued):
+            return True
+        if any(needle in raw for raw in await self.r.hvals(UNACKED)):
+            return True
+        if record.state is FutureStatus.RUNNING:
+            raw_beat = await self.r.get(self.keys.pool_heartbeat(record.queue))
+            beat = json.loads(raw_beat) if raw_beat else {}
+            if float(beat.get("t", 0)) <= record.started_at:
+                return None  # no heartbeat since the op started: its worker may not have reported it yet
+            return bool(beat.get("current") == record.request_id)
+        return False
+
+    async def _fail(self, record: FutureRecord) -> FutureRecord:
+        now = time.time()
+        key = self.keys.future(record.request_id)
+        failed = await self._fail_script(
+            keys=[key], args=[record.status, record.broker_run_id, now, LOST_ERROR, self.keys.done_channel(
+                record.request_id)])
+        if not failed:
+            raw = await self.r.hgetall(key)
+            return FutureRecord.from_hash(raw) if raw else record
+        record.status, record.error, record.category, record.code = (FutureStatus.FAILED, LOST_ERROR, "server",
+                                                                     "request_lost")
+        record.finished_at = now
+        return record
+
+
+# KEYS: future. ARGV: broker run_id. Only an existing record adopts it (never create a partial hash).
+_ADOPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'broker_run_id', ARGV[1]) end
+return 1
+"""
+
+# KEYS: future. ARGV: expected status, expected run_id, now, error, done channel.
+_FAIL_IF_UNCHANGED = """
+local current = redis.call('HMGET', KEYS[1], 'status', 'broker_run_id')
+if current[1] ~= ARGV[1] or current[2] ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[4], 'category', 'server', 'code', 'request_lost',
+           'finished_at', ARGV[3])
+redis.call('PUBLISH', ARGV[5], 'failed')
+return 1
+"""

@@ -1,0 +1,61 @@
+"""torch.distributed collectives for the ranks of a device group: gloo on CPU, NCCL on GPU.
+
+Each rank process joins one process group when its device group starts; `TorchGradientReducer` is the
+`GradientReducer` that backends use in `sync_gradients`. Buffers are flattened into one tensor per
+all-reduce, because a LoRA adapter is hundreds of small tensors and each collective has a fixed cost.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+def join_process_group(*, master_addr: str, master_port: int, rank: int, world_size: int, device_type: str) -> str:
+    """Join the device group's process group (the env variables are those torchrun sets, so backends that
+    look for them, like megatron, find the group already initialised). Returns the collective backend."""
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    backend = "nccl" if device_type == "cuda" and torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # Ray exposes exactly one GPU to each rank
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    return backend
+
+
+class TorchGradientReducer:
+    """Implements `twinkle.backends.data_parallel.GradientReducer` on the default process group."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def any(self, flag: bool) -> bool:
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
+
+    def sum_(self, buffers: Sequence[Any]) -> None:
+        tensors = [torch.from_numpy(b) if isinstance(b, np.ndarray) else b for b in buffers]
+        if not tensors:
+            return
+        flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float32) for t in tensors])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for tensor in tensors:
+            size = tensor.numel()
+            tensor.copy_(flat[offset : offset + size].view_as(tensor))
+            offset += size
+
+    def union(self, mask: np.ndarray) -> np.ndarray:
+        flags = torch.from_numpy(mask.astype(np.float32)).to(self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags.cpu().numpy() > 0
