@@ -80,9 +80,8 @@ class LostFutures:
         if not failed:
             raw = await self.r.hgetall(key)
             return FutureRecord.from_hash(raw) if raw else record
-        record.status, record.error, record.category, record.code = (FutureStatus.FAILED, LOST_ERROR, "server",
-                                                                     "request_lost")
-        record.finished_at = now
+        record.status, record.error, record.finished_at = FutureStatus.FAILED, LOST_ERROR, now
+        record.category, record.code = "server", "request_lost"
         return record
 
 
@@ -96,8 +95,8 @@ return 1
 _FAIL_IF_UNCHANGED = """
 local current = redis.call('HMGET', KEYS[1], 'status', 'broker_run_id')
 if current[1] ~= ARGV[1] or current[2] ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[4], 'category', 'server', 'code', 'request_lost',
-           'finished_at', ARGV[3])
+redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[4], 'category', 'server',
+           'code', 'request_lost', 'finished_at', ARGV[3])
 redis.call('PUBLISH', ARGV[5], 'failed')
 return 1
 """

@@ -101,7 +101,7 @@ class Store:
         if created is not None and created < time.time() - self.future_ttl:
             raise Expired(f"Future {request_id} has expired.", hint="Results are kept for "
                           f"{self.future_ttl} s; submit the request again.")
-        await self._fresh_broker_identity()
+        await self.refresh_broker_identity()  # uncached: a restart a moment ago must count
         if created is not None and self.broker_started_at and created < self.broker_started_at:
             # Redis restarted without persistence after this request was accepted: it is gone.
             return FutureRecord(request_id=request_id, op="", owner=owner, model_id="", queue="",

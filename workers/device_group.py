@@ -108,8 +108,8 @@ class RayDeviceGroup:
         except GetTimeoutError:
             raise RuntimeError(
                 f"Ray could not reserve {ranks} x {bundle} ({strategy}) for {label} within "
-                f"{PLACEMENT_TIMEOUT_SECONDS:g} s; the cluster has {ray.available_resources()} free. Add nodes "
-                "(ray start --address ...) or lower device_group.ranks.") from None
+                f"{PLACEMENT_TIMEOUT_SECONDS:g} s; the cluster has {ray.available_resources()} free. "
+                "Add nodes (ray start --address ...) or lower device_group.ranks.") from None
         options: dict[str, Any] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
         if "NPU" in bundle:
             options["resources"] = {"NPU": bundle["NPU"]}
@@ -140,7 +140,8 @@ class RayDeviceGroup:
         return self._gather([getattr(self.actors[rank], method).remote(*args)])[0]
 
     def call_all(self, method: str, args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
-        refs = [getattr(actor, method).remote(*args) for actor, args in zip(self.actors, args_per_rank, strict=True)]
+        pairs = zip(self.actors, args_per_rank, strict=True)
+        refs = [getattr(actor, method).remote(*args) for actor, args in pairs]
         return self._gather(refs)
 
     def _gather(self, refs: list[Any]) -> list[Any]:

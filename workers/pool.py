@@ -107,10 +107,9 @@ def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime) -> 
         running = runtime.current
         try:
             pipe = r.pipeline(transaction=False)
-            pipe.set(keys.pool_heartbeat(queue), json.dumps({"pid": os.getpid(), "t": time.time(),
-                                                              "ops_done": runtime.ops_done,
-                                                              "current": running.rec.request_id if running else ""}),
-                     ex=10)
+            beat = {"pid": os.getpid(), "t": time.time(), "ops_done": runtime.ops_done,
+                    "current": running.rec.request_id if running else ""}  # api.lost_futures reads `current`
+            pipe.set(keys.pool_heartbeat(queue), json.dumps(beat), ex=10)
             for key, value in runtime.announcements.items():
                 pipe.set(key, value, nx=True)  # a restarted broker lost it
             pipe.execute()

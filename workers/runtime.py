@@ -49,7 +49,7 @@ class PoolRuntime:
         # pools run several ops concurrently (their handlers synchronise what they share).
         self.lock: Any = threading.Lock() if serialize else contextlib.nullcontext()
         self._begin_script = r.register_script(_BEGIN)
-        self.current: RunningOp | None = None  # the op inside its handler (model pools), for the hang watchdog
+        self.current: RunningOp | None = None  # the op in its handler (model pools), for the hang watchdog
         self.announcements: dict[str, str] = {}  # keys the heartbeat restores should the broker lose them
 
     def execute(self, op: str, request_id: str) -> None:
@@ -68,7 +68,9 @@ class PoolRuntime:
             return
         started = time.perf_counter()
         try:
-            self._begin(rec)
+            if not self._begin(rec):
+                log.warning("future %s vanished from the broker (restarted?); %s not run", request_id, op)
+                return
             self._check_adapter_alive(op, rec, model)
             with self.lock, self._running(rec):
                 result = self.handlers[op](rec, blobs.loads(payload) if payload else None)
@@ -124,12 +126,18 @@ class PoolRuntime:
         model_raw = self.r.hgetall(self.keys.model(model_id.decode())) if model_id else {}
         return raw, payload, model_raw
 
-    def _begin(self, rec: FutureRecord) -> None:
-        """Mark the op running, count it on its model and advance the queue position, in one round trip."""
-        self._begin_script(keys=[self.keys.future(rec.request_id), self.keys.model(rec.model_id) if rec.model_id
-                                 else "", self.keys.queue_started(rec.queue or self.queue)],
-                           args=[time.time(), rec.ticket])
+    def _begin(self, rec: FutureRecord) -> bool:
+        """Mark the op running, count it on its model and advance the queue position, in one round trip.
+        False when the future is gone: a broker restarted without persistence lost it, and writing now would
+        leave partial records."""
+        model_key = self.keys.model(rec.model_id) if rec.model_id else ""
+        index = self._begin_script(keys=[self.keys.future(rec.request_id), model_key,
+                                         self.keys.queue_started(rec.queue or self.queue)],
+                                   args=[time.time(), rec.ticket])
+        if int(index) < 0:
+            return False
         task_started(rec)
+        return True
 
     def _check_adapter_alive(self, op: str, rec: FutureRecord, model: ModelRecord | None) -> None:
         if self.has_adapter is None or op in (Op.CREATE_MODEL, Op.SAMPLE, Op.UNLOAD_MODEL) or not rec.model_id:
@@ -198,8 +206,11 @@ class PoolRuntime:
 
 # KEYS: future, model ("" = none), queue_started. ARGV: now, ticket.
 _BEGIN = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local index = 0
-if KEYS[2] ~= '' then index = redis.call('HINCRBY', KEYS[2], 'ops_executed', 1) end
+if KEYS[2] ~= '' and redis.call('EXISTS', KEYS[2]) == 1 then
+  index = redis.call('HINCRBY', KEYS[2], 'ops_executed', 1)
+end
 redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'exec_index', index)
 local current = tonumber(redis.call('GET', KEYS[3]) or '0')
 if current < tonumber(ARGV[2]) then redis.call('SET', KEYS[3], ARGV[2]) end

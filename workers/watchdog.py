@@ -46,8 +46,8 @@ class Watchdog:
             return
         rec = running.rec
         failure = BackendFailure(
-            f"{rec.op} ran longer than this pool's execution_timeout of {self.timeout:g} s and was abandoned; "
-            "the pool is restarting.",
+            f"{rec.op} ran longer than this pool's execution_timeout of {self.timeout:g} s and was "
+            "abandoned; the pool is restarting.",
             hint="Retry with a smaller batch, or ask the operator to raise queue_config.execution_timeout.",
         )
         try:

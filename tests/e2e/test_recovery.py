@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from tests.e2e.test_foundation import datum, fb_body, new_model, wait
-from tests.harness import LaunchedServer, free_port, launch, mock_config
+from tests.harness import LaunchedServer, free_port, mock_config
 from twinkle.records import ModelRecord
 
 pytestmark = pytest.mark.e2e
@@ -37,21 +37,64 @@ def eventually(condition: Callable[[], Any], timeout: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+class PrivateRedis:
+    """A redis-server on a free port that a test may kill and start again."""
+
+    def __init__(self, directory: Path) -> None:
+        self.port = free_port()
+        self.directory = directory
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        eventually(self._answers, 10, "redis-server to start")
+
+    def _answers(self) -> bool:
+        try:
+            return bool(redis.Redis(port=self.port, socket_connect_timeout=0.2).ping())
+        except redis.RedisError:
+            return False
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+
+def private_server(tmp: Path, model_dir: Path, **kw: Any) -> tuple[LaunchedServer, PrivateRedis]:
+    """A server on a redis-server of its own: nothing shared with other test runs on this machine."""
+    broker = PrivateRedis(tmp)
+    broker.start()
+    config = mock_config(model_dir, tmp / "checkpoints", port=free_port(), db=0, **kw)
+    config["broker"]["url"] = broker.url
+    return LaunchedServer(config, tmp / "server.yaml", tmp / "server.log"), broker
+
+
+def stop(server: LaunchedServer, broker: PrivateRedis) -> None:
+    server.stop()
+    if broker.proc is not None and broker.proc.poll() is None:
+        broker.kill()
+
+
 @pytest.fixture(scope="module")
 def ray_pool(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
              ray_address: str) -> Iterator[LaunchedServer]:
     """A mock model pool of two data-parallel ranks on the session's Ray instance, snapshotting every second."""
-    tmp = tmp_path_factory.mktemp("ray-pool")
-    config = mock_config(tiny_model_dir, tmp / "checkpoints", port=free_port(), db=10,
-                         adapter_config={"snapshot_interval": 1})
-    model_args = config["applications"][1]["args"]
+    server, broker = private_server(tmp_path_factory.mktemp("ray-pool"), tiny_model_dir,
+                                    adapter_config={"snapshot_interval": 1})
+    model_args = server.config["applications"][1]["args"]
     model_args["device_group"] = {"name": "model", "ranks": 2, "device_type": "cpu"}
     model_args["device_mesh"] = {"dp_size": 2}
-    config["ray"] = {"address": ray_address}
-    server = LaunchedServer(config, tmp / "server.yaml", tmp / "server.log")
+    server.config["ray"] = {"address": ray_address}
     server.start(timeout=240)
     yield server
-    server.stop()
+    stop(server, broker)
 
 
 def test_a_dead_rank_restarts_the_pool_and_the_adapter_resumes_from_its_automatic_snapshot(
@@ -87,16 +130,17 @@ def test_a_dead_rank_restarts_the_pool_and_the_adapter_resumes_from_its_automati
 
 @pytest.fixture(scope="module")
 def hang_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[LaunchedServer]:
-    server = launch(tmp_path_factory.mktemp("hang"), tiny_model_dir, db=15,
-                    queue_config={"execution_timeout": 1.5})
+    server, broker = private_server(tmp_path_factory.mktemp("hang"), tiny_model_dir,
+                                    queue_config={"execution_timeout": 1.5})
+    server.start()
     yield server
-    server.stop()
+    stop(server, broker)
 
 
 def test_an_op_past_its_execution_timeout_fails_and_the_pool_restarts(hang_server: LaunchedServer) -> None:
     with hang_server.client("tml-hang") as c:
         model = new_model(c)
-        slow = [datum([(7 * i) % 500 + 3 for i in range(2000)]) for _ in range(128)]  # several seconds on mock
+        slow = [datum([(7 * i) % 500 + 3 for i in range(2000)]) for _ in range(512)]  # seconds on mock, even idle
         hung = c.post("/forward_backward", json=fb_body(model, slow)).json()["request_id"]
         behind = c.post("/optim_step", json={"model_id": model, "adam_params": {}}).json()["request_id"]
         started = time.time()
@@ -110,50 +154,13 @@ def test_an_op_past_its_execution_timeout_fails_and_the_pool_restarts(hang_serve
             "request_id"])
 
 
-class PrivateRedis:
-    """A redis-server on a free port that a test may kill and start again."""
-
-    def __init__(self, directory: Path) -> None:
-        self.port = free_port()
-        self.directory = directory
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        eventually(self._answers, 10, "redis-server to start")
-
-    def _answers(self) -> bool:
-        try:
-            return bool(redis.Redis(port=self.port, socket_connect_timeout=0.2).ping())
-        except redis.RedisError:
-            return False
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def flaky_redis(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
                 ) -> Iterator[tuple[LaunchedServer, PrivateRedis]]:
-    tmp = tmp_path_factory.mktemp("flaky-redis")
-    broker = PrivateRedis(tmp)
-    broker.start()
-    config = mock_config(tiny_model_dir, tmp / "checkpoints", port=free_port(), db=0)
-    config["broker"]["url"] = broker.url
-    server = LaunchedServer(config, tmp / "server.yaml", tmp / "server.log")
+    server, broker = private_server(tmp_path_factory.mktemp("flaky-redis"), tiny_model_dir)
     server.start()
     yield server, broker
-    server.stop()
-    if broker.proc is not None and broker.proc.poll() is None:
-        broker.kill()
+    stop(server, broker)
 
 
 def test_a_redis_restart_gives_clear_503s_then_service_resumes_and_lost_futures_fail(

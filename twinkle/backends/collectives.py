@@ -19,7 +19,8 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 
-def join_process_group(*, master_addr: str, master_port: int, rank: int, world_size: int, device_type: str) -> str:
+def join_process_group(*, master_addr: str, master_port: int, rank: int, world_size: int,
+                       device_type: str) -> str:
     """Join the device group's process group (the env variables are those torchrun sets, so backends that
     look for them, like megatron, find the group already initialised). Returns the collective backend."""
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
@@ -38,11 +39,6 @@ class TorchGradientReducer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def any(self, flag: bool) -> bool:
-        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item() > 0)
-
     def sum_(self, buffers: Sequence[Any]) -> None:
         tensors = [torch.from_numpy(b) if isinstance(b, np.ndarray) else b for b in buffers]
         if not tensors:
@@ -54,8 +50,3 @@ class TorchGradientReducer:
             size = tensor.numel()
             tensor.copy_(flat[offset : offset + size].view_as(tensor))
             offset += size
-
-    def union(self, mask: np.ndarray) -> np.ndarray:
-        flags = torch.from_numpy(mask.astype(np.float32)).to(self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return flags.cpu().numpy() > 0

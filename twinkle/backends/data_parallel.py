@@ -27,8 +27,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from twinkle.errors import InvalidRequest
 from twinkle.types import (
     AdamParams,
@@ -44,16 +42,11 @@ log = logging.getLogger("twinkle.data_parallel")
 
 
 class GradientReducer(Protocol):
-    """Collectives over the data-parallel ranks, used by a backend's `sync_gradients`."""
-
-    def any(self, flag: bool) -> bool:
-        """True on every rank when `flag` is true on at least one."""
+    """The all-reduce over the data-parallel ranks that a backend's `sync_gradients` uses (once per step:
+    each collective costs a round between the ranks, so flags travel in the same call as the gradients)."""
 
     def sum_(self, buffers: Sequence[Any]) -> None:
         """Replace each buffer (torch tensor or float32 numpy array) by its sum over the ranks, in place."""
-
-    def union(self, mask: np.ndarray) -> np.ndarray:
-        """Element-wise OR of a boolean array over the ranks."""
 
 
 class RankGroup(Protocol):
@@ -164,9 +157,11 @@ class DataParallelBackend:
     def forward_backward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
         return self._sharded(adapter_id, batch, backward=True)
 
-    def _sharded(self, adapter_id: str, batch: ForwardBackwardInput, *, backward: bool) -> ForwardBackwardOutput:
+    def _sharded(self, adapter_id: str, batch: ForwardBackwardInput, *,
+                 backward: bool) -> ForwardBackwardOutput:
         shards = split_batch(batch, self.dp_size)
-        per_rank = [(adapter_id, shards[rank // self._ranks_per_shard], backward) for rank in range(self.ranks.size)]
+        per_rank = [(adapter_id, shards[rank // self._ranks_per_shard], backward)
+                    for rank in range(self.ranks.size)]
         results = self.ranks.call_all("run_shard", per_rank)
         # one answer per shard: the first rank of each (its tensor-parallel peers computed the same)
         return merge_outputs(results[:: self._ranks_per_shard])

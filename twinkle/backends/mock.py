@@ -164,12 +164,14 @@ class MockBackend:
         return metrics
 
     def sync_gradients(self, adapter_id: str, reducer: GradientReducer) -> None:
-        """Sum the adapter's accumulated gradients over the data-parallel ranks (backends.data_parallel)."""
+        """Sum the adapter's accumulated gradients over the data-parallel ranks (backends.data_parallel), in
+        one all-reduce; the token blocks with gradient become the union of every rank's."""
         adapter = self._adapter(adapter_id)
-        if not reducer.any(adapter.has_grads):
-            return
-        reducer.sum_([adapter.grads.down, adapter.grads.up])
-        touched = reducer.union(adapter.grad_classes)
+        counts = np.concatenate([[np.float32(adapter.has_grads)], adapter.grad_classes.astype(np.float32)])
+        reducer.sum_([counts, adapter.grads.down, adapter.grads.up])
+        if counts[0] == 0:
+            return  # no rank accumulated anything: the sum left the zero gradients as they were
+        touched = counts[1:] > 0
         adapter.grad_classes[:] = touched
         adapter.live_classes |= touched
         adapter.has_grads = True

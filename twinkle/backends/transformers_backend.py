@@ -171,16 +171,14 @@ class TransformersBackend:
         return adam_step(self._tenant(adapter_id), params)
 
     def sync_gradients(self, adapter_id: str, reducer: GradientReducer) -> None:
-        """Sum the adapter's accumulated gradients over the data-parallel ranks (backends.data_parallel).
-        A parameter keeps grad None only where it has none on every rank, as AdamW skips those."""
+        """Sum the adapter's accumulated gradients over the data-parallel ranks (backends.data_parallel), in
+        one all-reduce. A parameter keeps grad None where no rank has one, as AdamW skips those."""
         params = self._tenant(adapter_id).params
-        present = reducer.union(np.array([param.grad is not None for param in params]))
-        if not present.any():
-            return
-        for param, has_grad in zip(params, present, strict=True):
-            if has_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
-        reducer.sum_([param.grad for param, has_grad in zip(params, present, strict=True) if has_grad])
+        ranks_with_grad = np.array([param.grad is not None for param in params], np.float32)
+        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
+        reducer.sum_([ranks_with_grad, *grads])
+        for param, grad, count in zip(params, grads, ranks_with_grad, strict=True):
+            param.grad = grad if count > 0 else None
 
     # Checkpoints
 

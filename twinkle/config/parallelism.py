@@ -43,8 +43,9 @@ def parallelism_problems(backend: str, mesh: DeviceMesh) -> list[str]:
 
 
 def device_group_size(mesh: DeviceMesh) -> int:
-    """How many ranks (Ray actors) a model pool with this mesh runs: one per rank of the mesh. (On cuda the
-    config insists that this equals device_group.ranks; for cpu pools the seed reads `ranks` as a CPU index.)"""
+    """How many ranks (Ray actors) a model pool with this mesh runs: one per rank of the mesh. (On cuda
+    the config insists that this equals device_group.ranks; for cpu pools the seed reads `ranks` as a CPU
+    index.)"""
     return mesh.world_size
 
 

@@ -90,16 +90,10 @@ class BarrierReducer:
         barrier.wait()  # nobody overwrites a slot before everyone has read them all
         return values
 
-    def any(self, flag: bool) -> bool:
-        return any(self._exchange(flag))
-
     def sum_(self, buffers: Sequence[Any]) -> None:
         everyone = self._exchange([np.array(b, copy=True) for b in buffers])
         for index, buffer in enumerate(buffers):
             buffer[...] = sum(theirs[index] for theirs in everyone)
-
-    def union(self, mask: np.ndarray) -> np.ndarray:
-        return np.logical_or.reduce(self._exchange(mask.copy()))
 
 
 class ThreadRanks:
