@@ -49,6 +49,7 @@ class PoolRuntime:
         # pools run several ops concurrently (their handlers synchronise what they share).
         self.lock: Any = threading.Lock() if serialize else contextlib.nullcontext()
         self._begin_script = r.register_script(_BEGIN)
+        self._finish_script = r.register_script(_FINISH)
         self.current: RunningOp | None = None  # the op in its handler (model pools), for the hang watchdog
         self.announcements: dict[str, str] = {}  # keys the heartbeat restores should the broker lose them
 
@@ -167,42 +168,41 @@ class PoolRuntime:
         return lost_state_error(model_id, (model.last_checkpoint if model else "") or None)
 
     def _complete(self, rec: FutureRecord, result: Any) -> None:
-        rid = rec.request_id
-        if not self._still_recorded(rid):
-            return
-        pipe = self.r.pipeline(transaction=True)
-        pipe.set(self.keys.blob_out(rid), blobs.dumps(result), ex=self.future_ttl)
-        pipe.hset(self.keys.future(rid), mapping={"status": FutureStatus.COMPLETED, "finished_at": time.time()})
-        pipe.expire(self.keys.future(rid), self.future_ttl)
-        pipe.delete(self.keys.blob_in(rid))
-        pipe.publish(self.keys.done_channel(rid), FutureStatus.COMPLETED.value)
-        pipe.execute()
-        task_finished(rec, FutureStatus.COMPLETED, result=result)
-
-    def _still_recorded(self, request_id: str) -> bool:
-        """False when the broker lost the future (restarted without persistence): writing its outcome would
-        leave a partial record nobody owns, and the API already reports such futures as lost."""
-        if self.r.exists(self.keys.future(request_id)):
-            return True
-        log.warning("future %s vanished from the broker (restarted?); its outcome is dropped", request_id)
-        return False
+        if self._finish(rec, FutureStatus.COMPLETED, blobs.dumps(result)):
+            task_finished(rec, FutureStatus.COMPLETED, result=result)
 
     def _fail(self, rec: FutureRecord, exc: TwinkleError) -> None:
-        rid = rec.request_id
-        if not self._still_recorded(rid):
-            return
-        log.info("%s %s failed: %s", rec.op, rid, exc)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(self.keys.future(rid), mapping={
-            "status": FutureStatus.FAILED, "finished_at": time.time(), "error": str(exc),
-            "category": exc.category, "code": exc.code,
-        })
-        pipe.expire(self.keys.future(rid), self.future_ttl)
-        pipe.delete(self.keys.blob_in(rid))
-        pipe.publish(self.keys.done_channel(rid), FutureStatus.FAILED.value)
-        pipe.execute()
-        task_finished(rec, FutureStatus.FAILED, error=exc)
+        log.info("%s %s failed: %s", rec.op, rec.request_id, exc)
+        if self._finish(rec, FutureStatus.FAILED, b"", error=str(exc), category=exc.category, code=exc.code):
+            task_finished(rec, FutureStatus.FAILED, error=exc)
 
+    def _finish(self, rec: FutureRecord, status: FutureStatus, result: bytes, **failure: str) -> bool:
+        """Write the outcome and wake its long-polls in one script, only where the future still exists.
+
+        A broker that restarted without persistence lost the record: writing then would leave a partial
+        record nobody owns (and the API already reports such a future as lost). One script, not a check and
+        a write, because a client retrying a write across a broker restart must not recreate it either."""
+        rid = rec.request_id
+        fields = [str(x) for kv in {"status": status.value, "finished_at": time.time(), **failure}.items()
+                  for x in kv]
+        written = self._finish_script(
+            keys=[self.keys.future(rid), self.keys.blob_out(rid), self.keys.blob_in(rid)],
+            args=[self.future_ttl, result, self.keys.done_channel(rid), status.value, *fields])
+        if not int(written):
+            log.warning("future %s vanished from the broker (restarted?); its outcome is dropped", rid)
+        return bool(int(written))
+
+
+# KEYS: future, blob_out, blob_in. ARGV: ttl, result blob ('' = none), done channel, status, field/value pairs.
+_FINISH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[1]) end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[3])
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return 1
+"""
 
 # KEYS: future, model ("" = none), queue_started. ARGV: now, ticket.
 _BEGIN = """

@@ -60,8 +60,9 @@ class AdapterSnapshots:
             model = self._model(adapter_id)
             if model is None or model.status != "active":
                 continue
-            # first sight counts as a snapshot: an adapter is saved once it has trained for an interval
-            last_time, last_ops = self._last.setdefault(adapter_id, (now, model.ops_executed))
+            # first sight: nothing of it is saved yet, and its interval runs from its creation, so an adapter
+            # that trained before this thread first looked is still saved
+            last_time, last_ops = self._last.setdefault(adapter_id, (model.created_at or now, 0))
             if now - last_time < self.interval or model.ops_executed == last_ops:
                 continue
             with self.lock:

@@ -74,6 +74,20 @@ def test_an_adapter_is_snapshotted_each_interval_it_trained_and_old_snapshots_ar
     assert (weights / written[-1].rsplit("/", 1)[1] / "adapter.npz").is_file()
 
 
+def test_an_adapter_that_trained_before_it_was_first_seen_is_snapshotted_once_its_interval_passed(
+        pool: tuple[ModelPoolHandlers, redis.Redis, Keys]) -> None:
+    handlers, r, keys = pool
+    clock = Clock()
+    r.hset(keys.model(MODEL), mapping={"created_at": clock.now, "ops_executed": 8})
+    snapshots = AdapterSnapshots(handlers, handlers_lock(), interval=10, clock=clock)
+    clock.now += 3
+    assert snapshots.take_due() == []  # created 3 s ago: not due yet
+    clock.now += 8
+    assert len(snapshots.take_due()) == 1  # its ops ran before the first look, and they are saved
+    clock.now += 11
+    assert snapshots.take_due() == []  # nothing ran since
+
+
 def test_an_unloaded_adapter_is_not_snapshotted(pool: tuple[ModelPoolHandlers, redis.Redis, Keys]) -> None:
     handlers, r, keys = pool
     clock = Clock()
