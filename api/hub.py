@@ -1,8 +1,10 @@
 """One shared pub/sub listener per API process that wakes long-polls when their future finishes.
 
 Waiters register an asyncio future per channel; the first waiter of a channel SUBSCRIBEs, the last
-one UNSUBSCRIBEs. After subscribing the waiter re-reads the record (closing the race with a result
-published just before), and it re-reads every few seconds in case a message was lost to a reconnect.
+one UNSUBSCRIBEs. `register` returns once Redis confirmed the subscription: Redis may run a command sent
+later on another connection (the waiter's re-read of the record) before the SUBSCRIBE, so a result
+published in between would be missed (seen: a 5 s stall about once in 700 ops). After that the waiter
+re-reads the record, and it re-reads every few seconds in case a message was lost to a reconnect.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from collections import defaultdict
 import redis.asyncio as aioredis
 
 log = logging.getLogger("twinkle.api.hub")
+CONFIRM_SECONDS = 2.0  # past this a waiter goes on unconfirmed; its periodic re-read still finds the result
 
 
 class FutureHub:
     def __init__(self, r: aioredis.Redis) -> None:
         self._r = r
-        self._pubsub = r.pubsub(ignore_subscribe_messages=True)
+        self._pubsub = r.pubsub()
         self._waiters: dict[str, set[asyncio.Future[None]]] = defaultdict(set)
+        self._confirmations: dict[str, asyncio.Future[None]] = {}
         self._lock = asyncio.Lock()
         self._reader: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
@@ -47,8 +51,13 @@ class FutureHub:
             first = not self._waiters[channel]
             self._waiters[channel].add(waiter)
             if first:
+                self._confirmations[channel] = asyncio.get_running_loop().create_future()
                 await self._pubsub.subscribe(channel)
                 self._subscribed.set()
+            confirmation = self._confirmations.get(channel)
+        if confirmation is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(confirmation), CONFIRM_SECONDS)
         return waiter
 
     async def unregister(self, channel: str, waiter: asyncio.Future[None]) -> None:
@@ -59,6 +68,7 @@ class FutureHub:
             waiters.discard(waiter)
             if not waiters:
                 del self._waiters[channel]
+                self._confirmations.pop(channel, None)
                 with contextlib.suppress(Exception):
                     await self._pubsub.unsubscribe(channel)
 
@@ -79,10 +89,16 @@ class FutureHub:
                 await asyncio.sleep(0.5)
                 await self._resubscribe()
                 continue
-            if message is None or message.get("type") != "message":
+            kind = message.get("type") if message else None
+            if kind not in ("message", "subscribe"):
                 continue
             channel = message["channel"]
             channel = channel.decode() if isinstance(channel, bytes) else channel
+            if kind == "subscribe":
+                confirmation = self._confirmations.get(channel)
+                if confirmation is not None and not confirmation.done():
+                    confirmation.set_result(None)
+                continue
             for waiter in list(self._waiters.get(channel, ())):
                 if not waiter.done():
                     waiter.set_result(None)
@@ -91,7 +107,7 @@ class FutureHub:
         async with self._lock:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()
-            self._pubsub = self._r.pubsub(ignore_subscribe_messages=True)
+            self._pubsub = self._r.pubsub()
             channels = list(self._waiters)
             if channels:
                 with contextlib.suppress(Exception):

@@ -76,7 +76,7 @@ class Server:
 
     def start(self) -> float:
         started = time.perf_counter()
-        env = dict(os.environ, TWINKLE_LOG_LEVEL="WARNING")
+        env = dict(os.environ, TWINKLE_LOG_LEVEL=os.environ.get("TWINKLE_LOG_LEVEL","WARNING"))
         self.proc = subprocess.Popen([sys.executable, "-m", "twinkle.server", "launch", "-c", str(self.cfg_path)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         while True:

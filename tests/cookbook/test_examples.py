@@ -217,6 +217,7 @@ def runs(servers: dict[str, CookbookServer], model_dirs: dict[str, str]) -> Iter
             "TWINKLE_BASE_MODEL": "tiny-qwen",
             "TWINKLE_VL_BASE_MODEL": "tiny-vl",
             "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1",  # a crash (once seen: SIGABRT at exit) prints every thread's stack
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
