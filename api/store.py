@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from typing import Any
@@ -27,6 +28,17 @@ from twinkle.telemetry import submit_trace
 BROKER_IDENTITY_MAX_AGE = 2.0  # seconds between run_id checks
 
 
+def broker_start_time(info: dict[str, Any]) -> float:
+    """A time no earlier than the broker's start, from its INFO server section.
+
+    Redis counts uptime in whole seconds from its start time rounded down, so `now - uptime` can fall up to
+    a second before the real start; a request accepted in that second, and lost, would read as unknown
+    instead of lost. The second after the rounded-down start is never before the real one.
+    """
+    now = int(info.get("server_time_usec", time.time() * 1e6)) / 1e6
+    return math.floor(now) - int(info.get("uptime_in_seconds", 0)) + 1.0
+
+
 class Store:
     def __init__(self, r: aioredis.Redis, keys: Keys, celery: Celery, *, future_ttl: int,
                  session_ttl: int) -> None:
@@ -44,7 +56,7 @@ class Store:
     async def refresh_broker_identity(self) -> None:
         info = await self.r.info("server")
         self.broker_run_id = str(info.get("run_id", ""))
-        self.broker_started_at = time.time() - float(info.get("uptime_in_seconds", 0))
+        self.broker_started_at = broker_start_time(info)
         self._identity_checked = time.monotonic()
 
     async def _fresh_broker_identity(self) -> None:

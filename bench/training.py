@@ -2,9 +2,12 @@
 
     python bench/training.py [--steps 20]
 
-(a) Server overhead: one training step (batch 8 x 128 tokens, LoRA rank 16 on all linear layers, AdamW)
-    through a launched server and the Tinker SDK, vs the same step in-process with plain
-    transformers + PEFT. Target ratio <= 1.15.
+(a) Server overhead: one training step (batch 8 x 128 tokens, LoRA rank 16 on attention, MLP and the
+    output head as the SDK's defaults ask, AdamW) through a launched server and the Tinker SDK, vs the same
+    step in-process with plain transformers + PEFT. Target ratio <= 1.15. Two model sizes: the test suite's
+    tiny model (hidden 64, 2 layers), where a step is ~20 ms of compute and the server's fixed ~6 ms per
+    step (HTTP, Redis, Celery, both ways) cannot fit in 15%, and a small one (hidden 256, 4 layers) whose
+    step costs what the server is for.
 (b) Memory: RSS of the model pool with 1, 8 and 32 adapters (each trained one step so its Adam moments
     exist); growth per adapter vs the adapter's own size (weights + gradients + two Adam moments).
 (c) Sampler: tokens/s for 16 concurrent requests over 4 adapters through the sampler pool, vs one
@@ -30,6 +33,10 @@ from tests.harness import launch
 from twinkle.tiny_model import ensure_tiny_model
 
 SEQ, BATCH, RANK = 128, 8, 16
+# The Tinker SDK's create_lora_training_client trains attention, MLP and the output head by default.
+SDK_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+SIZES = {"tiny": {}, "small": {"hidden_size": 256, "num_layers": 4, "intermediate_size": 1024, "num_heads": 8,
+                             "num_kv_heads": 4}}
 
 
 def token_rows(vocab: int) -> list[list[int]]:
@@ -42,7 +49,7 @@ def in_process_step_ms(model_dir: Path, steps: int) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=32, target_modules="all-linear"))
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=32, target_modules=SDK_DEFAULT_TARGETS))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = torch.tensor(token_rows(model.config.vocab_size))
     inputs, labels = rows[:, :-1], rows[:, 1:]
@@ -89,7 +96,7 @@ def adapter_bytes(model_dir: Path) -> int:
     from transformers import AutoModelForCausalLM
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_dir)),
-                           LoraConfig(r=RANK, target_modules="all-linear"))
+                           LoraConfig(r=RANK, target_modules=SDK_DEFAULT_TARGETS))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable * 4 * 4  # weights, gradients, two Adam moments, float32
 
@@ -167,6 +174,7 @@ def sampler_rows(server: Any, model_dir: Path, n_requests: int = 16, n_adapters:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--sizes", default="tiny,small", help="model sizes for (a): tiny, small")
     ns = parser.parse_args()
     threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -174,15 +182,22 @@ def main() -> None:
     torch.set_num_threads(int(threads))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir = ensure_tiny_model(work / "tiny-qwen")
         vocab = 512
-        local = in_process_step_ms(model_dir, ns.steps)
+        for size in ns.sizes.split(","):
+            sized = ensure_tiny_model(work / f"{size}-qwen", **SIZES[size])
+            local = in_process_step_ms(sized, ns.steps)
+            (work / size).mkdir()
+            server = launch(work / size, sized, db=10, backend="transformers", env={"OMP_NUM_THREADS": threads})
+            try:
+                remote = server_step_ms(server.base_url, vocab, ns.steps)
+            finally:
+                server.stop()
+            print(f"(a) training step, {size} model, batch {BATCH}x{SEQ}, rank {RANK}: server {remote:.1f} ms vs "
+                  f"in-process {local:.1f} ms = {remote / local:.3f}x  (torch threads: {threads})")
+        model_dir = ensure_tiny_model(work / "tiny-qwen")
         server = launch(work, model_dir, db=10, backend="transformers", sampler=True, max_loras=40,
                         env={"OMP_NUM_THREADS": threads})
         try:
-            remote = server_step_ms(server.base_url, vocab, ns.steps)
-            print(f"(a) training step, batch {BATCH}x{SEQ}, rank {RANK}: server {remote:.1f} ms vs in-process "
-                  f"{local:.1f} ms = {remote / local:.3f}x  (torch threads: {threads})")
             print("(b)", end=" ")
             memory_rows(server, model_dir)
             print("(c)", end=" ")

@@ -140,7 +140,9 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     elif app.import_path == "sampler":
         pool = ["-P", "threads", "-c", str(sampler_slots(app.args))]  # stateless: batched, may reorder
     else:
-        pool = ["-P", "threads", "-c", "1"]
+        # One thread runs ops in delivery order; reserving the next message while an op runs saves the fetch
+        # after each ack (2.5 ms of a training step). Both stay unacked, so a crash restores them in order.
+        pool = ["-P", "threads", "-c", "1", "--prefetch-multiplier", "2"]
     celery.worker_main([
         "worker", *pool, "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",
         "--without-mingle", "--without-gossip", *(["-E"] if config.flower.enabled else []),
