@@ -1,9 +1,11 @@
 """Continuous batching for a sampler pool.
 
 The sampler pool consumes several sample tasks at once (Celery threads, one per slot); each task
-thread hands its request to the batcher and waits. One generation thread takes everything waiting
-(up to `max_batch` requests) and serves it with a single `sampler.sample(batch)` call, so requests
-for different adapters share one batched generation.
+thread hands its request to the batcher and waits. One generation thread serves them:
+- a sampler with `serve(take)` (the torch sampler) runs one continuous generation that calls `take`
+  between decode steps, so a request arriving mid-generation joins it instead of waiting for it to end;
+- any other takes everything waiting (up to `max_batch` requests) into one `sampler.sample(batch)` call.
+Either way requests for different adapters share one batched generation.
 """
 
 from __future__ import annotations
@@ -34,12 +36,26 @@ class SampleBatcher:
             self._cond.notify()
         return done.result()
 
+    def _take(self) -> list[tuple[SampleRequest, Future[SampleOutput]]]:
+        with self._cond:
+            taken, self._pending = self._pending, []
+        return taken
+
     def _run(self) -> None:
+        serve = getattr(self.sampler, "serve", None)
         while True:
             with self._cond:
                 while not self._pending:
                     self._cond.wait()
-                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+                if serve is None:
+                    batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+            if serve is not None:
+                try:
+                    serve(self._take)  # resolves every future it took, with a result or its own error
+                except Exception:  # keep serving the requests still to come
+                    log.exception("the sampler's generation loop failed")
+                self.batches += 1
+                continue
             try:
                 outputs = self.sampler.sample([req for req, _ in batch])
             except BaseException as exc:  # noqa: BLE001 - each waiter gets the error of its batch

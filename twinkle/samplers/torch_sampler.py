@@ -1,23 +1,31 @@
 """The `torch` sampler: one base model, sampler checkpoints loaded as PEFT adapters into an LRU of slots.
 
 Requests naming different adapters run as one batched generation (PEFT mixed-adapter batches); a batch
-needing more adapters than there are slots runs in several rounds. Checkpoints are keyed by path and file
-stamp, so a checkpoint rewritten in place is loaded again rather than served stale.
+needing more adapters than there are slots runs in several rounds. `serve` is the continuous form a sampler
+pool uses: requests join the running generation between decode steps as long as their adapters and rows
+fit, instead of waiting for the whole batch to end. Checkpoints are keyed by path and file stamp, so a
+checkpoint rewritten in place is loaded again rather than served stale.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from twinkle.backends.hf.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from twinkle.backends.hf.generation import generate
+from twinkle.backends.hf.generation import Decoder, generate
 from twinkle.backends.hf.loading import load_base_model
 from twinkle.backends.hf.shared_model import BASE_ADAPTER, SharedModel
-from twinkle.errors import InvalidRequest, NotFound
+from twinkle.errors import InvalidRequest, NotFound, TwinkleError
 from twinkle.types import ModelInfo, SampleOutput, SampleRequest
+
+log = logging.getLogger("twinkle.sampler")
+Job = tuple[SampleRequest, "Future[SampleOutput]"]
 
 
 class TorchSampler:
@@ -81,6 +89,74 @@ class TorchSampler:
                 results[index] = output
         return [result for result in results if result is not None]
 
+    def serve(self, take: Callable[[], list[Job]]) -> None:
+        """Generate for the jobs `take` hands out until none is running or waiting, admitting new ones
+        between decode steps. Every job's future ends with its output or its own error."""
+        decoder = Decoder(self.shared)
+        running: dict[int, Future[SampleOutput]] = {}
+        waiting = take()
+        try:
+            while waiting or decoder.rows_running:
+                waiting = self._admit(decoder, waiting, running)
+                try:
+                    decoder.step()
+                except Exception as error:  # the running jobs fail with it; the pool goes on
+                    log.exception("a decode step failed; failing its %d requests", len(running))
+                    for index in decoder.fail_all():
+                        running.pop(index).set_exception(error)
+                for index in decoder.take_finished():
+                    running.pop(index).set_result(decoder.pop(index))
+                waiting += take()
+        finally:
+            for future in [*running.values(), *(future for _, future in waiting)]:
+                if not future.done():
+                    future.set_exception(RuntimeError("the sampler stopped before this request finished"))
+
+    def _admit(self, decoder: Decoder, waiting: list[Job], running: dict[int, Future[SampleOutput]]) -> list[Job]:
+        """Join waiting jobs, in order, while their rows and adapters fit beside the running ones."""
+        if not decoder.can_join:
+            return waiting
+        in_use = {name for name in decoder.running_adapters() if name and name != BASE_ADAPTER}
+        rows = decoder.rows_running
+        admitted: list[tuple[str, SampleRequest, Future[SampleOutput]]] = []
+        for position, (request, future) in enumerate(waiting):
+            try:
+                name = self._adapter_name(request.adapter_path)
+            except TwinkleError as error:
+                future.set_exception(error)
+                continue
+            adapters = in_use | ({name} - {BASE_ADAPTER})
+            alone = rows == 0 and not admitted  # a request bigger than the limits still runs, by itself
+            if not alone and (rows + request.num_samples > self.max_batch_rows or len(adapters) > self.max_loras):
+                waiting = waiting[position:]
+                break
+            try:
+                if name != BASE_ADAPTER:
+                    self._ensure_loaded(name, Path(str(request.adapter_path)), keep=adapters)
+            except TwinkleError as error:
+                future.set_exception(error)
+                continue
+            admitted.append((name, request, future))
+            in_use, rows = adapters, rows + request.num_samples
+        else:
+            waiting = []
+        if admitted:
+            self._join(decoder, admitted, running)
+        return waiting
+
+    def _join(self, decoder: Decoder, jobs: list[tuple[str, SampleRequest, Future[SampleOutput]]],
+              running: dict[int, Future[SampleOutput]]) -> None:
+        try:
+            indices = decoder.add([request for _, request, _ in jobs], [name for name, _, _ in jobs])
+        except Exception as error:  # noqa: BLE001 - one bad request must not fail the others: join one by one
+            if len(jobs) == 1:
+                jobs[0][2].set_exception(error)
+                return
+            for job in jobs:
+                self._join(decoder, [job], running)
+            return
+        running.update(zip(indices, (future for _, _, future in jobs), strict=True))
+
     def _rounds(self, names: list[str], requests: list[SampleRequest]) -> list[list[int]]:
         """Consecutive groups of requests needing at most max_loras adapters and max_batch_rows rows each."""
         rounds: list[list[int]] = []
@@ -129,3 +205,4 @@ class TorchSampler:
                 hint="Sample with the base model the adapter was trained on.",
             ) from error
         self._loaded[name] = None
+

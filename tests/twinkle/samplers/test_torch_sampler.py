@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -257,3 +258,63 @@ def test_sampler_weights_of_another_shape_are_a_user_error(
     with pytest.raises(InvalidRequest, match="do not fit"):
         sampler.sample([_request([1, 2], broken)])
     assert sampler.loaded_adapters == [] and sampler.shared.adapters == []
+
+
+def _serve(sampler: TorchSampler, arrivals: dict[int, list[SampleRequest]]) -> tuple[list[Future[SampleOutput]], int]:
+    """Run `serve`, handing out `arrivals[k]` at its k-th call of take; returns the futures and the calls."""
+    futures: list[Future[SampleOutput]] = []
+    calls = 0
+
+    def take() -> list[tuple[SampleRequest, Future[SampleOutput]]]:
+        nonlocal calls
+        jobs = [(request, Future[SampleOutput]()) for request in arrivals.get(calls, [])]
+        futures.extend(future for _, future in jobs)
+        calls += 1
+        return jobs
+
+    sampler.serve(take)
+    return futures, calls
+
+
+def test_requests_that_arrive_mid_generation_join_it_and_get_what_they_get_alone(
+    sampler: TorchSampler, trained: Trained
+) -> None:
+    paths = trained.paths
+    first = [_request(trained.up[:2], paths["up"], max_tokens=12),
+             _request([5, 6, 7], None, temperature=1.0, seed=5, max_tokens=12)]
+    later = [_request(trained.down[:6], paths["down"], temperature=1.0, seed=11, num_samples=2, max_tokens=6),
+             _request(trained.up[3:4], paths["up"], max_tokens=3)]  # a shorter prompt than the running rows
+    futures, calls = _serve(sampler, {0: first, 4: later})  # joins after 3 decode steps
+
+    assert calls < 12 + 6  # one generation: the later requests did not wait for the first ones to end
+    alone = [sampler.sample([request])[0] for request in first + later]
+    for future, single in zip(futures, alone, strict=True):
+        joined = future.result(timeout=0)
+        assert _tokens(joined) == _tokens(single)
+        for a, b in zip(joined.sequences, single.sequences, strict=True):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert _tokens(futures[0].result()) == [(trained.up * 3)[2:14]]
+
+
+def test_a_bad_request_joining_a_generation_fails_alone(sampler: TorchSampler, trained: Trained) -> None:
+    good = _request(trained.up[:2], trained.paths["up"])
+    out_of_vocab = _request([10**6], None)
+    missing = _request([5], trained.paths["up"].parent / "nowhere")
+    futures, _ = _serve(sampler, {0: [good], 2: [out_of_vocab, missing, _request(trained.down[:3], None)]})
+
+    assert _tokens(futures[0].result(timeout=0)) == [(trained.up * 2)[2:10]]
+    assert isinstance(futures[1].exception(timeout=0), InvalidRequest)
+    assert isinstance(futures[2].exception(timeout=0), NotFound)
+    assert len(futures[3].result(timeout=0).sequences[0].tokens) == 8
+
+
+def test_requests_beyond_the_adapter_slots_wait_for_a_slot_instead_of_evicting_a_running_adapter(
+    tiny_model_dir: Path, trained: Trained
+) -> None:
+    one_slot = TorchSampler(str(tiny_model_dir), torch_dtype="float32", device=TEST_DEVICE, max_loras=1)
+    up, down = _request(trained.up[:2], trained.paths["up"]), _request(trained.down[:2], trained.paths["down"])
+    futures, calls = _serve(one_slot, {0: [up], 1: [down]})
+
+    assert calls > 8 + 8 - 1  # down ran after up, in the same serve call
+    assert _tokens(futures[0].result(timeout=0)) == [(trained.up * 2)[2:10]]
+    assert _tokens(futures[1].result(timeout=0)) == [(trained.down * 2)[2:10]]

@@ -10,6 +10,7 @@ prompt are expanded into image tokens (`hf.images`) and read in the prefill; dec
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,106 +42,231 @@ def generate(
     shared: SharedModel, requests: Sequence[SampleRequest], adapter_names: Sequence[str] | None
 ) -> list[SampleOutput]:
     """Complete every request; `adapter_names[i]` is request i's adapter (None: the active adapter)."""
-    base = shared.base
-    expanded = [base.images.prompt(request.prompt, f"request {index}") for index, request in enumerate(requests)]
-    prompts = [tokens for tokens, _ in expanded]
-    _check_requests(requests, prompts, vocab_size=base.info.vocab_size, max_context=base.info.max_context_length)
-    if not requests:
-        return []
-    device = base.device
-    vision = base.images.batch([arrays for _, arrays in expanded], device=device, dtype=base.model.dtype)
-    shared.train(False)
-    with torch.inference_mode():
-        width = max(len(prompt) for prompt in prompts)
-        input_ids = torch.full((len(prompts), width), base.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for index, prompt in enumerate(prompts):
-            input_ids[index, width - len(prompt) :] = torch.from_numpy(prompt)
-            attention[index, width - len(prompt) :] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        wants_prompt_logprobs = any(r.prompt_logprobs or r.topk_prompt_logprobs > 0 for r in requests)
-        # Without prompt logprobs only the last position's logits are needed: spare the [B, T, vocab] tensor.
-        last_only = {"logits_to_keep": 1} if shared.accepts_logits_to_keep and not wants_prompt_logprobs else {}
-        with images_checked_by_model(bool(vision)):
-            output = shared(
-                adapter_names,
-                input_ids=input_ids,
-                attention_mask=attention,
-                position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
-                use_cache=True,
-                **last_only,
-                **vision,
-            )
-        results = [
-            _prompt_output(request, output.logits[index], input_ids[index], len(prompt))
-            for index, (request, prompt) in enumerate(zip(requests, prompts, strict=True))
-        ]
-        rows = [
-            _Row(index, min(request.params.max_tokens, base.info.max_context_length - len(prompts[index])))
-            for index, request in enumerate(requests)
-            for _ in range(request.num_samples)
-        ]
-        _decode(shared, requests, adapter_names, rows, output, attention)
-    for row in rows:
-        sequence = SampledSequence(row.tokens, row.logprobs, row.stop_reason or "length")
-        results[row.request].sequences.append(sequence)
-    return results
+    decoder = Decoder(shared)
+    indices = decoder.add(requests, adapter_names)
+    while decoder.rows_running:
+        decoder.step()
+    return [decoder.pop(index) for index in indices]
 
 
-def _decode(
-    shared: SharedModel,
-    requests: Sequence[SampleRequest],
-    adapter_names: Sequence[str] | None,
-    rows: list[_Row],
-    prefill: Any,
-    prompt_attention: torch.Tensor,
-) -> None:
-    """Run the token-by-token loop until every row stops."""
-    device = shared.base.device
-    generators = [_generator(request.params, device) for request in requests]
-    active = [index for index, row in enumerate(rows) if row.limit > 0]
-    for row in rows:
-        if row.limit <= 0:
-            row.stop_reason = "length"
-    if not active:
-        return
-    # Rows of one request share its prefill; copy cache, mask and next-token logits to each row.
-    origin = torch.tensor([rows[index].request for index in active], device=device)
-    cache = shared.kv_cache(prefill)
-    cache.reorder_cache(origin)
-    logits = prefill.logits[:, -1, :].float().index_select(0, origin)
-    attention = prompt_attention.index_select(0, origin)
-    positions = attention.sum(-1)
-    eos_ids = shared.base.eos_token_ids
-    while True:
-        chosen = _choose_tokens(logits, [rows[index] for index in active], requests, generators)
-        chosen_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-        for slot, (token, logprob) in enumerate(zip(chosen.tolist(), chosen_logprobs.tolist(), strict=True)):
-            row = rows[active[slot]]
-            row.tokens.append(token)
-            row.logprobs.append(logprob)
-            row.stop_reason = _stop_reason(row, requests[row.request].params, eos_ids, shared)
-        keep = [slot for slot, index in enumerate(active) if rows[index].stop_reason is None]
-        if not keep:
+class Decoder:
+    """A batched generation that requests can join between steps (continuous batching).
+
+    `add` prefills new requests and merges their KV cache into the running one (both left-padded to the
+    longer), `step` feeds one token to every unfinished row, `take_finished` names the requests that have
+    finished since it was last asked, and `pop` hands over their outputs. A cache that is not a plain
+    per-layer key/value cache (sliding or linear-attention layers) cannot be merged: `can_join` is then
+    False while rows are running.
+    """
+
+    def __init__(self, shared: SharedModel) -> None:
+        self.shared = shared
+        self.requests: list[SampleRequest] = []
+        self.names: list[str | None] = []
+        self.generators: list[torch.Generator] = []
+        self.results: dict[int, SampleOutput] = {}
+        self.rows: dict[int, _Row] = {}
+        self._keys = itertools.count()
+        self.unfinished: dict[int, int] = {}  # request index -> rows still generating
+        self.active: list[int] = []  # keys of running rows, in cache order
+        self.finished: list[int] = []  # requests finished since the last step
+        self.cache: Any = None
+        self.attention = torch.zeros((0, 0), dtype=torch.long)
+        self.positions = torch.zeros(0, dtype=torch.long)
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def rows_running(self) -> int:
+        return len(self.active)
+
+    @property
+    def can_join(self) -> bool:
+        return not self.active or _mergeable(self.cache)
+
+    def add(self, requests: Sequence[SampleRequest], adapter_names: Sequence[str | None] | None) -> list[int]:
+        """Prefill `requests` and make them part of the batch; returns their request indices.
+
+        Raises InvalidRequest (nothing joined) for a request the model cannot serve."""
+        if not self.can_join:
+            raise RuntimeError("this model's KV cache cannot take new rows while others are generating")
+        shared, base = self.shared, self.shared.base
+        expanded = [base.images.prompt(request.prompt, f"request {index}") for index, request in enumerate(requests)]
+        prompts = [tokens for tokens, _ in expanded]
+        _check_requests(requests, prompts, vocab_size=base.info.vocab_size, max_context=base.info.max_context_length)
+        if not requests:
+            return []
+        device = base.device
+        vision = base.images.batch([arrays for _, arrays in expanded], device=device, dtype=base.model.dtype)
+        names = list(adapter_names) if adapter_names is not None else [None] * len(requests)
+        first = len(self.requests)
+        shared.train(False)
+        with torch.inference_mode():
+            width = max(len(prompt) for prompt in prompts)
+            input_ids = torch.full((len(prompts), width), base.pad_token_id, dtype=torch.long)
+            attention = torch.zeros((len(prompts), width), dtype=torch.long)
+            for index, prompt in enumerate(prompts):
+                input_ids[index, width - len(prompt) :] = torch.from_numpy(prompt)
+                attention[index, width - len(prompt) :] = 1
+            input_ids, attention = input_ids.to(device), attention.to(device)
+            wants_prompt_logprobs = any(r.prompt_logprobs or r.topk_prompt_logprobs > 0 for r in requests)
+            # Without prompt logprobs only the last position's logits are needed: spare the [B, T, vocab] tensor.
+            last_only = {"logits_to_keep": 1} if shared.accepts_logits_to_keep and not wants_prompt_logprobs else {}
+            with images_checked_by_model(bool(vision)):
+                output = shared(
+                    _row_names(names),
+                    input_ids=input_ids,
+                    attention_mask=attention,
+                    position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+                    use_cache=True,
+                    **last_only,
+                    **vision,
+                )
+            for offset, (request, prompt) in enumerate(zip(requests, prompts, strict=True)):
+                self.results[first + offset] = _prompt_output(request, output.logits[offset], input_ids[offset],
+                                                              len(prompt))
+            self.requests.extend(requests)
+            self.names.extend(names)
+            self.generators.extend(_generator(request.params, device) for request in requests)
+            joining: list[int] = []  # prefill row of each joining sample row
+            for offset, request in enumerate(requests):
+                limit = min(request.params.max_tokens, base.info.max_context_length - len(prompts[offset]))
+                rows = [_Row(first + offset, limit) for _ in range(request.num_samples)]
+                for row in rows:
+                    key = next(self._keys)
+                    self.rows[key] = row
+                    if row.limit <= 0:
+                        row.stop_reason = "length"
+                    else:
+                        self.active.append(key)
+                        joining.append(offset)
+                running = sum(row.stop_reason is None for row in rows)
+                if running:
+                    self.unfinished[first + offset] = running
+                else:
+                    self.finished.append(first + offset)
+            if joining:
+                # Rows of one request share its prefill; copy cache, mask and next-token logits to each row.
+                origin = torch.tensor(joining, device=device)
+                cache = shared.kv_cache(output)
+                cache.reorder_cache(origin)
+                self._merge(cache, attention.index_select(0, origin),
+                            output.logits[:, -1, :].float().index_select(0, origin))
+        return list(range(first, first + len(requests)))
+
+    def _merge(self, cache: Any, attention: torch.Tensor, logits: torch.Tensor) -> None:
+        if self.cache is None or self.logits is None:
+            self.cache, self.attention, self.logits = cache, attention, logits
+            self.positions = attention.sum(-1)
             return
-        if len(keep) < len(active):
-            kept = torch.tensor(keep, device=device)
-            cache.reorder_cache(kept)
-            attention, positions, chosen = attention[kept], positions[kept], chosen[kept]
-            active = [active[slot] for slot in keep]
-        attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
-        names = None if adapter_names is None else [adapter_names[rows[index].request] for index in active]
-        output = shared(
-            names,
-            input_ids=chosen.unsqueeze(-1),
-            attention_mask=attention,
-            position_ids=positions.unsqueeze(-1),
-            use_cache=True,
-            **{shared.cache_argument: cache},
-        )
-        cache = shared.kv_cache(output)
-        logits = output.logits[:, -1, :].float()
-        positions = positions + 1
+        width = max(self.attention.shape[1], attention.shape[1])
+        _left_pad_cache(self.cache, width - self.attention.shape[1])
+        _left_pad_cache(cache, width - attention.shape[1])
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([old.keys, new.keys])
+            old.values = torch.cat([old.values, new.values])
+        self.attention = torch.cat([_left_pad(self.attention, width), _left_pad(attention, width)])
+        self.positions = torch.cat([self.positions, attention.sum(-1)])
+        self.logits = torch.cat([self.logits, logits])
+
+    def running_adapters(self) -> set[str | None]:
+        return {self.names[self.rows[key].request] for key in self.active}
+
+    def take_finished(self) -> list[int]:
+        finished, self.finished = self.finished, []
+        return finished
+
+    def step(self) -> None:
+        """One token for every running row."""
+        if not self.active or self.logits is None:
+            return
+        shared, device = self.shared, self.shared.base.device
+        eos_ids = shared.base.eos_token_ids
+        with torch.inference_mode():
+            rows = [self.rows[index] for index in self.active]
+            chosen = _choose_tokens(self.logits, rows, self.requests, self.generators)
+            chosen_logprobs = torch.log_softmax(self.logits, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+            for row, token, logprob in zip(rows, chosen.tolist(), chosen_logprobs.tolist(), strict=True):
+                row.tokens.append(token)
+                row.logprobs.append(logprob)
+                row.stop_reason = _stop_reason(row, self.requests[row.request].params, eos_ids, shared)
+                if row.stop_reason is not None:
+                    self.unfinished[row.request] -= 1
+                    if not self.unfinished[row.request]:
+                        del self.unfinished[row.request]
+                        self.finished.append(row.request)
+            keep = [slot for slot, row in enumerate(rows) if row.stop_reason is None]
+            if not keep:
+                self._reset()
+                return
+            if len(keep) < len(self.active):
+                kept = torch.tensor(keep, device=device)
+                self.cache.reorder_cache(kept)
+                self.attention, self.positions, chosen = self.attention[kept], self.positions[kept], chosen[kept]
+                self.active = [self.active[slot] for slot in keep]
+            self.attention = torch.cat([self.attention, self.attention.new_ones((len(self.active), 1))], dim=1)
+            names = _row_names([self.names[self.rows[index].request] for index in self.active])
+            output = shared(
+                names,
+                input_ids=chosen.unsqueeze(-1),
+                attention_mask=self.attention,
+                position_ids=self.positions.unsqueeze(-1),
+                use_cache=True,
+                **{shared.cache_argument: self.cache},
+            )
+            self.cache = shared.kv_cache(output)
+            self.logits = output.logits[:, -1, :].float()
+            self.positions = self.positions + 1
+
+    def pop(self, request: int) -> SampleOutput:
+        """The finished request's output; its rows are forgotten."""
+        output = self.results.pop(request)
+        for key in [key for key, row in self.rows.items() if row.request == request]:
+            row = self.rows.pop(key)
+            output.sequences.append(SampledSequence(row.tokens, row.logprobs, row.stop_reason or "length"))
+        return output
+
+    def fail_all(self) -> list[int]:
+        """Drop every running request (after a failed step); returns their indices."""
+        dropped = sorted(self.unfinished)
+        for request in dropped:
+            self.results.pop(request, None)
+        self.rows = {key: row for key, row in self.rows.items() if row.request not in self.unfinished}
+        self.unfinished.clear()
+        self._reset()
+        return dropped
+
+    def _reset(self) -> None:
+        self.active, self.cache, self.logits = [], None, None
+
+
+def _row_names(names: Sequence[str | None]) -> list[str] | None:
+    """Per-row adapter names for the model, or None when every row runs the active adapter."""
+    named = [name for name in names if name is not None]
+    if not named:
+        return None
+    if len(named) < len(names):
+        raise ValueError("a batch cannot mix named adapters with the active one")
+    return named
+
+
+def _mergeable(cache: Any) -> bool:
+    layers: Any = getattr(cache, "layers", None)
+    return bool(layers) and all(
+        type(layer).__name__ == "DynamicLayer" and isinstance(getattr(layer, "keys", None), torch.Tensor)
+        for layer in layers
+    )
+
+
+def _left_pad_cache(cache: Any, pad: int) -> None:
+    if pad <= 0:
+        return
+    for layer in cache.layers:
+        layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, pad, 0))
+        layer.values = torch.nn.functional.pad(layer.values, (0, 0, pad, 0))
+
+
+def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(mask, (width - mask.shape[1], 0))
 
 
 def _choose_tokens(
