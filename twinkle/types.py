@@ -74,6 +74,7 @@ class ForwardBackwardInput:
     data: list[Datum]
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float | str] = field(default_factory=dict)
+    disable_lora: bool = False  # `forward` only: run the bare base model (e.g. a DPO reference policy)
 
 
 @dataclass

@@ -7,7 +7,7 @@ once; this module turns each call into backend ops through the adapter's `twinkl
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +103,8 @@ class TwinkleOps:
         return self._summarise(trainer, batch, out, training=True)
 
     def forward_only(self, rec: FutureRecord, payload: dict[str, Any]) -> dict[str, Any]:
-        if payload.get("disable_lora"):
-            raise InvalidRequest("forward_only(disable_lora=True) is not supported by this server yet.",
-                                 hint="DPOLoss computes the reference logprobs itself, without the adapter.")
         trainer = self.trainer(rec.model_id)
-        batch = self._batch(trainer, payload)
+        batch = replace(self._batch(trainer, payload), disable_lora=bool(payload.get("disable_lora")))
         return self._summarise(trainer, batch, self.pool.backend.forward(rec.model_id, batch), training=False)
 
     def clip_grad_and_step(self, rec: FutureRecord, payload: dict[str, Any]) -> dict[str, Any]:

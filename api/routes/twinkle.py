@@ -97,10 +97,18 @@ class EncodeBody(Body):
     add_generation_prompt: bool = False
 
 
-async def _submit(ctx: ApiContext, tenant: str, model_id: str, op: Op, payload: Any) -> dict[str, Any]:
+async def _submit(ctx: ApiContext, tenant: str, model_id: str, op: Op, payload: Any, *,
+                  input_tokens: int = 0) -> dict[str, Any]:
+    """Every op here counts against the key's rate limits on its pool, as the Tinker routes do."""
     record = await ctx.store.model(model_id, tenant)
+    await ctx.limiter.admit(tenant, record.queue, input_tokens=input_tokens)
     rid = await ctx.store.submit(op=op, owner=tenant, model_id=record.model_id, queue=record.queue, payload=payload)
     return {"request_id": rid, "model_id": record.model_id}
+
+
+def _input_tokens(inputs: list[dict[str, Any]]) -> int:
+    """Tokens of already-encoded inputs; trajectories (`messages`) are encoded in the pool and not counted."""
+    return sum(len(item.get("input_ids") or ()) for item in inputs if "messages" not in item)
 
 
 @router.post("/configure")
@@ -112,13 +120,14 @@ async def configure(body: ConfigureBody, ctx: Ctx, tenant: Tenant) -> dict[str, 
 @router.post("/forward_backward")
 async def forward_backward(body: InputsBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     payload = {"inputs": body.inputs, "loss_kwargs": body.loss_kwargs or {}}
-    return await _submit(ctx, tenant, body.model_id, Op.FORWARD_BACKWARD, payload)
+    return await _submit(ctx, tenant, body.model_id, Op.FORWARD_BACKWARD, payload,
+                         input_tokens=_input_tokens(body.inputs))
 
 
 @router.post("/forward_only")
 async def forward_only(body: InputsBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     payload = {"inputs": body.inputs, "loss_kwargs": body.loss_kwargs or {}, "disable_lora": body.disable_lora}
-    return await _submit(ctx, tenant, body.model_id, Op.FORWARD, payload)
+    return await _submit(ctx, tenant, body.model_id, Op.FORWARD, payload, input_tokens=_input_tokens(body.inputs))
 
 
 @router.post("/clip_grad_and_step")

@@ -177,3 +177,20 @@ def test_the_tinker_sdk_backs_off_on_429_and_every_step_completes(limited_server
 def _tenant(c: httpx.Client, model_id: str) -> str:
     info = c.get(f"/training_runs/{model_id}").json()
     return str(info["model_owner"])
+
+
+def test_the_twinkle_native_routes_are_limited_too(limited_server: LaunchedServer) -> None:
+    with limited_server.client("tml-limit-twinkle") as c:
+        model = new_model(c)
+        feature = {"input_ids": list(range(5, 25)), "labels": [-100, -100, *range(7, 25)]}
+        _, refused = burst(c, lambda c: c.post("/twinkle/forward_backward",
+                                               json={"model_id": model, "inputs": [feature]}))
+        assert {r.status_code for r in refused} == {429}
+        assert all(r.headers.get("Retry-After") for r in refused)
+        too_long = {"input_ids": list(range(5, 5 + MAX_INPUT + 1)), "labels": list(range(5, 5 + MAX_INPUT + 1))}
+        over = c.post("/twinkle/forward_only", json={"model_id": model, "inputs": [too_long]})
+        assert over.status_code == 400 and "input tokens" in over.json()["error"], over.text
+        time.sleep(1.1)  # the window passed: served again
+        ok = c.post("/twinkle/forward_backward", json={"model_id": model, "inputs": [feature]})
+        assert ok.status_code == 200, ok.text
+        assert "loss" in wait(c, ok.json()["request_id"])

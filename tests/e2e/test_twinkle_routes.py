@@ -62,6 +62,23 @@ def test_a_twinkle_training_loop_accumulates_steps_and_resumes_exactly(mock_serv
             "CosineAnnealingLR"
 
 
+def test_forward_only_with_disable_lora_reads_the_base_model(mock_server: LaunchedServer) -> None:
+    with mock_server.client("tml-twinkle-base") as c:
+        trained, fresh = new_model(c), new_model(c)  # a fresh LoRA adds nothing: it is the base model
+        call(c, "/twinkle/configure", {"model_id": trained, "optimizer": "AdamW", "lr": 0.05})
+        for _ in range(3):
+            call(c, "/twinkle/forward_backward", {"model_id": trained, "inputs": BATCH})
+            call(c, "/twinkle/clip_grad_and_step", {"model_id": trained})
+
+        def logprobs(model: str, **options: Any) -> list[float]:
+            out = call(c, "/twinkle/forward_only", {"model_id": model, "inputs": BATCH, **options})
+            return [value for row in out["logprobs"] for value in row]
+
+        base = logprobs(fresh)
+        assert logprobs(trained, disable_lora=True) == pytest.approx(base, rel=1e-6)
+        assert logprobs(trained) != pytest.approx(base, rel=1e-3)
+
+
 def test_unknown_names_are_user_errors_listing_the_valid_ones(mock_server: LaunchedServer) -> None:
     with mock_server.client("tml-twinkle-names") as c:
         model = new_model(c)

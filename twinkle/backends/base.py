@@ -36,7 +36,8 @@ class ModelBackend(Protocol):
     def has_adapter(self, adapter_id: str) -> bool: ...
 
     def forward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
-        """Loss and per-token outputs without touching gradients."""
+        """Loss and per-token outputs without touching gradients; with `batch.disable_lora`, those of the base
+        model without the adapter."""
 
     def forward_backward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
         """Like forward, and accumulate the gradients of the summed loss into the adapter."""

@@ -21,6 +21,7 @@ import itertools
 import secrets
 import tempfile
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -199,11 +200,13 @@ class MegatronBackend:
         outputs: list[dict[str, Any]] = []
         metrics: dict[str, float] = {}
         if local:
-            outputs, metrics = self._run_local(tenant, batch.loss_fn, config, local, backward=backward)
+            outputs, metrics = self._run_local(tenant, batch.loss_fn, config, local, backward=backward,
+                                               base_only=batch.disable_lora and not backward)
         return self._gather_data_parallel(outputs, metrics, len(local))
 
     def _run_local(
-        self, tenant: Tenant, loss_fn: str, config: dict[str, float], data: list[Datum], *, backward: bool
+        self, tenant: Tenant, loss_fn: str, config: dict[str, float], data: list[Datum], *, backward: bool,
+        base_only: bool = False,
     ) -> tuple[list[dict[str, Any]], dict[str, float]]:
         inputs = [torch_losses.datum_inputs(loss_fn, datum) for datum in data]
         padded = collate(data, inputs, pad_token_id=self.pad_token_id, device=self.device)
@@ -214,7 +217,8 @@ class MegatronBackend:
             with torch.no_grad(), self.bank.disabled():
                 reference = self._logprobs(padded.input_ids, padded.targets)
         self.bank.training = backward  # LoRA dropout is on while training only
-        with tenant.rng.active(self.device), torch.set_grad_enabled(backward):
+        adapter = self.bank.disabled() if base_only else nullcontext()
+        with tenant.rng.active(self.device), torch.set_grad_enabled(backward), adapter:
             lp = self._logprobs(padded.input_ids, padded.targets)
             loss_batch = torch_losses.LossBatch(lp, padded.inputs, padded.mask, reference)
             terms = torch_losses.compute_loss(loss_fn, loss_batch, config)

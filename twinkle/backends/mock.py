@@ -240,7 +240,8 @@ class MockBackend:
         if dropout > 0:
             keep = adapter.rng.random((len(prev), self._base.dim)) >= dropout
             mask = keep.astype(np.float32) / np.float32(1 - dropout)
-        forward = target_logprobs(self._base, adapter.lora, prev, target, mask)
+        lora = None if batch.disable_lora and not train else adapter.lora
+        forward = target_logprobs(self._base, lora, prev, target, mask)
         result = losses.elementwise_loss_and_grad(
             batch.loss_fn, forward.logprobs, inputs, batch.loss_fn_config
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -138,7 +139,8 @@ class TransformersBackend:
         self.shared.activate(tenant.name)
         reference = self._reference_logprobs(padded) if torch_losses.needs_reference(batch.loss_fn, config) else None
         self.shared.train(backward)  # LoRA dropout is on while training only
-        with tenant.rng.active(self.device), torch.set_grad_enabled(backward):
+        base_only = self.shared.adapters_disabled() if batch.disable_lora and not backward else nullcontext()
+        with tenant.rng.active(self.device), torch.set_grad_enabled(backward), base_only:
             lp = self._logprobs(padded)
             loss_batch = torch_losses.LossBatch(lp, padded.inputs, padded.mask, reference)
             terms = torch_losses.compute_loss(batch.loss_fn, loss_batch, config)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -136,6 +137,20 @@ def test_forward_gives_the_transformers_backends_logprobs_and_loss(
     assert_outputs_close(ours.loss_fn_outputs, theirs.loss_fn_outputs)
     assert ours.metrics["loss:sum"] == pytest.approx(theirs.metrics["loss:sum"], rel=1e-5)
     assert [len(output["logprobs"]) for output in ours.loss_fn_outputs] == [29, 8, 14]
+
+
+@needs_megatron
+def test_forward_with_disable_lora_reads_the_base_model_like_the_transformers_backend(
+    megatron: MegatronBackend, hf: TransformersBackend, paired: str
+) -> None:
+    for backend in (megatron, hf):
+        backend.forward_backward(paired, mixed_batch())
+        backend.optim_step(paired, AdamParams(learning_rate=5e-2))  # the adapter now changes the logprobs
+    base_only = replace(mixed_batch(), disable_lora=True)
+    ours, theirs = megatron.forward(paired, base_only), hf.forward(paired, base_only)
+    assert_outputs_close(ours.loss_fn_outputs, theirs.loss_fn_outputs)
+    trained = megatron.forward(paired, mixed_batch()).loss_fn_outputs
+    assert not np.allclose(trained[0]["logprobs"], ours.loss_fn_outputs[0]["logprobs"], atol=1e-3)
 
 
 @needs_megatron

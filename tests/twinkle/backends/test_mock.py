@@ -4,6 +4,7 @@ import itertools
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -173,6 +174,21 @@ def test_fresh_adapters_equal_the_base_model_whatever_their_seed() -> None:
 
     for a, b in zip(first, second, strict=True):
         np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-6)
+
+
+def test_forward_with_disable_lora_gives_the_base_models_logprobs_after_training() -> None:
+    backend = _backend()
+    backend.create_adapter("fresh", LoraSpec(rank=4))
+    batch = _cycle_batch()
+    _train(backend, "a", 5, batch)
+    base_only = replace(batch, disable_lora=True)
+
+    trained = backend.forward("a", batch).loss_fn_outputs[0]["logprobs"]
+    without = backend.forward("a", base_only).loss_fn_outputs[0]["logprobs"]
+    base = backend.forward("fresh", batch).loss_fn_outputs[0]["logprobs"]
+
+    np.testing.assert_allclose(without, base, rtol=1e-6)
+    assert not np.allclose(trained, base)
 
 
 def test_optim_step_lowers_the_loss_on_repeated_data() -> None:

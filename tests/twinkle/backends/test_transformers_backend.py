@@ -7,6 +7,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -264,6 +265,24 @@ def test_only_the_active_adapter_requires_grad(backend: TransformersBackend) -> 
     name_a = backend._tenant("a").name
     assert trainable and all(f".{name_a}." in name for name in trainable)
     assert with_grad == trainable
+
+
+def test_forward_with_disable_lora_gives_the_base_models_logprobs_after_training(
+    backend: TransformersBackend,
+) -> None:
+    backend.create_adapter("trained", LoraSpec(rank=4, seed=1))
+    backend.create_adapter("fresh", LoraSpec(rank=4, seed=2))  # LoRA starts as a no-op: the base model
+    train(backend, "trained", steps=3)
+    batch = ce_batch(ce_datum(PATTERN[:12]))
+
+    trained = backend.forward("trained", batch).loss_fn_outputs[0]["logprobs"]
+    without = backend.forward("trained", replace(batch, disable_lora=True)).loss_fn_outputs[0]["logprobs"]
+    base = backend.forward("fresh", batch).loss_fn_outputs[0]["logprobs"]
+
+    np.testing.assert_allclose(without, base, atol=1e-6)
+    assert not np.allclose(trained, base, atol=1e-3)
+    again = backend.forward("trained", batch).loss_fn_outputs[0]["logprobs"]
+    np.testing.assert_array_equal(again, trained)  # the adapter is back on afterwards
 
 
 def test_training_one_adapter_leaves_another_bit_identical(backend: TransformersBackend) -> None:
