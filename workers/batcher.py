@@ -3,7 +3,8 @@
 The sampler pool consumes several sample tasks at once (Celery threads, one per slot); each task
 thread hands its request to the batcher and waits. One generation thread serves them:
 - a sampler with `serve(take)` (the torch sampler) runs one continuous generation that calls `take`
-  between decode steps, so a request arriving mid-generation joins it instead of waiting for it to end;
+  between decode steps, so a request arriving mid-generation joins it instead of waiting for it to end
+  (a generation starts once a burst of arrivals has paused for a few ms, at most 30 ms);
 - any other takes everything waiting (up to `max_batch` requests) into one `sampler.sample(batch)` call.
 Either way requests for different adapters share one batched generation.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -41,6 +43,17 @@ class SampleBatcher:
             taken, self._pending = self._pending, []
         return taken
 
+    def _gather(self, quiet: float = 0.005, longest: float = 0.03) -> None:
+        """Before a generation starts, let a burst of requests finish arriving: joining later costs each
+        its own prefill and leaves it behind the others for the rest of the generation."""
+        deadline = time.monotonic() + longest
+        with self._cond:
+            while time.monotonic() < deadline:
+                seen = len(self._pending)
+                self._cond.wait(quiet)
+                if len(self._pending) == seen:
+                    return
+
     def _run(self) -> None:
         serve = getattr(self.sampler, "serve", None)
         while True:
@@ -50,6 +63,7 @@ class SampleBatcher:
                 if serve is None:
                     batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
             if serve is not None:
+                self._gather()
                 try:
                     serve(self._take)  # resolves every future it took, with a result or its own error
                 except Exception:  # keep serving the requests still to come

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import pytest
 
@@ -71,3 +73,34 @@ def test_a_bad_request_fails_alone_and_its_batch_mates_still_succeed() -> None:
 def test_a_sampler_error_reaches_the_caller() -> None:
     with pytest.raises(InvalidRequest):
         SampleBatcher(RecordingSampler()).sample(request(-5))
+
+
+class ServingSampler:
+    """A continuous sampler: records what each call of `take` handed it and answers at once."""
+
+    def __init__(self) -> None:
+        self.takes: list[int] = []
+
+    def serve(self, take: Callable[[], list[tuple[SampleRequest, Future[SampleOutput]]]]) -> None:
+        while jobs := take():
+            self.takes.append(len(jobs))
+            for req, done in jobs:
+                done.set_result(SampleOutput([SampledSequence([int(req.prompt[0].tokens[0])], [0.0], "length")]))  # type: ignore[union-attr]
+
+
+def test_a_burst_of_requests_starts_one_generation_together_instead_of_one_then_the_rest() -> None:
+    sampler = ServingSampler()
+    batcher = SampleBatcher(sampler)
+    results: dict[int, int] = {}
+
+    def ask(token: int) -> None:
+        results[token] = batcher.sample(request(token)).sequences[0].tokens[0]
+
+    threads = [threading.Thread(target=ask, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+        time.sleep(0.001)  # a burst, as the requests of concurrent clients reach the pool
+    for t in threads:
+        t.join()
+    assert results == {t: t for t in range(8)}
+    assert sampler.takes[0] > 1
