@@ -17,7 +17,6 @@ refused for now (see `megatron.parallel`).
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import secrets
 import tempfile
 from collections.abc import Callable
@@ -32,9 +31,9 @@ import torch.distributed as dist
 from twinkle.backends import torch_losses
 from twinkle.backends.hf.batching import check_model_inputs, collate
 from twinkle.backends.hf.lora import lora_config, target_modules
-from twinkle.backends.hf.tenant import RngState, Tenant, new_optimizer
+from twinkle.backends.hf.tenant import RngState, Tenant, TenantSlots, new_optimizer
 from twinkle.backends.megatron.requirements import INSTALL_HINT, megatron_requirements_problem
-from twinkle.errors import InvalidRequest, LimitExceeded, NotFound
+from twinkle.errors import InvalidRequest
 from twinkle.types import (
     AdamParams,
     Datum,
@@ -73,8 +72,6 @@ class MegatronBackend:
     ) -> None:
         """`device` None means this rank's CUDA GPU (the only supported setup); "cpu" runs single-rank
         tests on megatron-core's CPU-capable layers (see `megatron.cpu_support`)."""
-        if max_loras < 1:
-            raise InvalidRequest(f"max_loras must be at least 1, got {max_loras}.")
         target = _pick_device(device)
         # Deferred: these import megatron-core, which is only present with the `megatron` extra.
         from twinkle.backends.megatron import model as megatron_model
@@ -125,9 +122,7 @@ class MegatronBackend:
             eos_token_id=tokenizer.eos_token_id,
         )
         self.model_id = model_id
-        self.max_loras = max_loras
-        self._tenants: dict[str, Tenant] = {}
-        self._names = (f"tenant_{number}" for number in itertools.count())
+        self.tenants = TenantSlots(max_loras)
         self._sampler_factory = sampler_factory
         self._sampler: SamplerBackend | None = None
 
@@ -146,49 +141,33 @@ class MegatronBackend:
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
         from twinkle.backends.megatron.lora_layout import lora_targets, resolve_parts
 
-        if adapter_id in self._tenants:
-            raise InvalidRequest(f"Adapter {adapter_id} already exists on this replica.")
-        if len(self._tenants) >= self.max_loras:
-            raise LimitExceeded(
-                f"All {self.max_loras} LoRA slots of this replica are in use "
-                f"({len(self._tenants)} adapters).",
-                hint="Unload an adapter or wait for idle ones to expire.",
-                max_loras=self.max_loras,
-            )
+        name = self.tenants.reserve(adapter_id)
         config = lora_config(spec, base_model_name=self.info.model_name)  # validates rank, alpha, dropout
         parts = resolve_parts(target_modules(spec, "lm_head"))
         seed = spec.seed if spec.seed is not None else _shared_seed(self.device)
-        name = next(self._names)
         targets = lora_targets(self.arch, parts)
         self.bank.add(
             name, targets, rank=spec.rank, alpha=float(config.lora_alpha), dropout=spec.dropout, seed=seed
         )
         params = self.bank.adapter(name).parameters()
         rng = RngState.seeded(seed, self.device)
-        self._tenants[adapter_id] = Tenant(adapter_id, name, spec, seed, params, new_optimizer(params), rng)
+        self.tenants.add(Tenant(adapter_id, name, spec, seed, params, new_optimizer(params), rng))
 
     def remove_adapter(self, adapter_id: str) -> None:
-        tenant = self._tenants.pop(adapter_id, None)
+        tenant = self.tenants.pop(adapter_id)
         if tenant is not None:
-            tenant.zero_grad()
             self.bank.remove(tenant.name)
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self._tenants
-
-    def _tenant(self, adapter_id: str) -> Tenant:
-        tenant = self._tenants.get(adapter_id)
-        if tenant is None:
-            raise NotFound(f"No adapter {adapter_id} on this replica.", hint="Create the model first.")
-        return tenant
+        return adapter_id in self.tenants
 
     # Compute
 
     def forward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
-        return self._run(self._tenant(adapter_id), batch, backward=False)
+        return self._run(self.tenants[adapter_id], batch, backward=False)
 
     def forward_backward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
-        return self._run(self._tenant(adapter_id), batch, backward=True)
+        return self._run(self.tenants[adapter_id], batch, backward=True)
 
     def _run(self, tenant: Tenant, batch: ForwardBackwardInput, *, backward: bool) -> ForwardBackwardOutput:
         config = torch_losses.validate(batch.loss_fn, batch.data, batch.loss_fn_config)
@@ -286,7 +265,7 @@ class MegatronBackend:
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
         from twinkle.backends.megatron.optimizer import adam_step
 
-        tenant = self._tenant(adapter_id)
+        tenant = self.tenants[adapter_id]
         splits = self.bank.splits(tenant.name)
         sharded = [splits[key] != "replicated" for key in self._param_keys(tenant)]
         return adam_step(
@@ -298,7 +277,7 @@ class MegatronBackend:
     def save_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
         from twinkle.backends.megatron import checkpoint
 
-        tenant = self._tenant(adapter_id)
+        tenant = self.tenants[adapter_id]
         self._save_adapter(tenant, directory)
         if include_optimizer:
             checkpoint.save_training_state(tenant, directory, self._param_keys(tenant), self._layout(tenant))
@@ -306,7 +285,7 @@ class MegatronBackend:
     def load_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
         from twinkle.backends.megatron import checkpoint
 
-        tenant = self._tenant(adapter_id)
+        tenant = self.tenants[adapter_id]
         adapter = self.bank.adapter(tenant.name)
         current = lora_config(tenant.spec, base_model_name=self.info.model_name)
         state = checkpoint.read_adapter(directory, adapter.targets, current, self._layout(tenant))
@@ -321,7 +300,7 @@ class MegatronBackend:
             tenant.steps = 0
 
     def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
-        self._save_adapter(self._tenant(adapter_id), directory)
+        self._save_adapter(self.tenants[adapter_id], directory)
 
     def _save_adapter(self, tenant: Tenant, directory: Path) -> None:
         from twinkle.backends.megatron import checkpoint

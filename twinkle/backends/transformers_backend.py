@@ -11,7 +11,6 @@ A vision-language base model also takes images, as ImageChunks or as an InputFea
 
 from __future__ import annotations
 
-import itertools
 import secrets
 from contextlib import nullcontext
 from pathlib import Path
@@ -28,8 +27,8 @@ from twinkle.backends.hf.images import images_checked_by_model
 from twinkle.backends.hf.loading import load_base_model
 from twinkle.backends.hf.lora import lora_config
 from twinkle.backends.hf.shared_model import BASE_ADAPTER, SharedModel
-from twinkle.backends.hf.tenant import RngState, Tenant, adam_step, new_optimizer
-from twinkle.errors import InvalidRequest, LimitExceeded, NotFound
+from twinkle.backends.hf.tenant import RngState, Tenant, TenantSlots, adam_step, new_optimizer
+from twinkle.errors import InvalidRequest
 from twinkle.types import (
     AdamParams,
     ForwardBackwardInput,
@@ -54,8 +53,6 @@ class TransformersBackend:
         device: str | None = None,
         trust_remote_code: bool | None = None,
     ) -> None:
-        if max_loras < 1:
-            raise InvalidRequest(f"max_loras must be at least 1, got {max_loras}.")
         base = load_base_model(
             model_id,
             torch_dtype=torch_dtype,
@@ -65,9 +62,7 @@ class TransformersBackend:
         )
         self.shared = SharedModel(base)
         self.info: ModelInfo = base.info
-        self.max_loras = max_loras
-        self._tenants: dict[str, Tenant] = {}
-        self._names = (f"tenant_{number}" for number in itertools.count())
+        self.tenants = TenantSlots(max_loras)
 
     @property
     def device(self) -> torch.device:
@@ -76,14 +71,7 @@ class TransformersBackend:
     # Adapters
 
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
-        if adapter_id in self._tenants:
-            raise InvalidRequest(f"Adapter {adapter_id} already exists on this replica.")
-        if len(self._tenants) >= self.max_loras:
-            raise LimitExceeded(
-                f"All {self.max_loras} LoRA slots of this replica are in use ({len(self._tenants)} adapters).",
-                hint="Unload an adapter or wait for idle ones to expire.",
-                max_loras=self.max_loras,
-            )
+        name = self.tenants.reserve(adapter_id)
         config = lora_config(
             spec,
             base_model_name=self.info.model_name,
@@ -91,7 +79,6 @@ class TransformersBackend:
             exclude_modules=self.shared.vision_modules,
         )
         seed = spec.seed if spec.seed is not None else secrets.randbits(63)
-        name = next(self._names)
         try:
             self.shared.add_adapter(name, config, seed=seed)
         except ValueError as error:  # PEFT: target modules not found in this architecture
@@ -99,30 +86,23 @@ class TransformersBackend:
             raise InvalidRequest(f"Cannot build this LoRA adapter on {self.info.model_name}: {error}") from error
         params = self.shared.parameters(name)
         rng = RngState.seeded(seed, self.device)
-        self._tenants[adapter_id] = Tenant(adapter_id, name, spec, seed, params, new_optimizer(params), rng)
+        self.tenants.add(Tenant(adapter_id, name, spec, seed, params, new_optimizer(params), rng))
 
     def remove_adapter(self, adapter_id: str) -> None:
-        tenant = self._tenants.pop(adapter_id, None)
+        tenant = self.tenants.pop(adapter_id)
         if tenant is not None:
-            tenant.zero_grad()
             self.shared.delete_adapter(tenant.name)
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self._tenants
-
-    def _tenant(self, adapter_id: str) -> Tenant:
-        tenant = self._tenants.get(adapter_id)
-        if tenant is None:
-            raise NotFound(f"No adapter {adapter_id} on this replica.", hint="Create the model first.")
-        return tenant
+        return adapter_id in self.tenants
 
     # Compute
 
     def forward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
-        return self._run(self._tenant(adapter_id), batch, backward=False)
+        return self._run(self.tenants[adapter_id], batch, backward=False)
 
     def forward_backward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
-        return self._run(self._tenant(adapter_id), batch, backward=True)
+        return self._run(self.tenants[adapter_id], batch, backward=True)
 
     def _run(self, tenant: Tenant, batch: ForwardBackwardInput, *, backward: bool) -> ForwardBackwardOutput:
         # Images first: an image's token count, which the loss inputs must match, is known only once expanded.
@@ -170,12 +150,12 @@ class TransformersBackend:
             return self._logprobs(padded)
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
-        return adam_step(self._tenant(adapter_id), params)
+        return adam_step(self.tenants[adapter_id], params)
 
     def sync_gradients(self, adapter_id: str, reducer: GradientReducer) -> None:
         """Sum the adapter's accumulated gradients over the data-parallel ranks (backends.data_parallel), in
         one all-reduce. A parameter keeps grad None where no rank has one, as AdamW skips those."""
-        params = self._tenant(adapter_id).params
+        params = self.tenants[adapter_id].params
         ranks_with_grad = np.array([param.grad is not None for param in params], np.float32)
         grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
         reducer.sum_([ranks_with_grad, *grads])
@@ -185,13 +165,13 @@ class TransformersBackend:
     # Checkpoints
 
     def save_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
-        tenant = self._tenant(adapter_id)
+        tenant = self.tenants[adapter_id]
         checkpoint.save_adapter(self.shared, tenant.name, directory)
         if include_optimizer:
             checkpoint.save_training_state(tenant, directory)
 
     def load_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
-        tenant = self._tenant(adapter_id)
+        tenant = self.tenants[adapter_id]
         checkpoint.load_adapter(self.shared, tenant, directory)
         tenant.zero_grad()
         if include_optimizer:
@@ -201,10 +181,10 @@ class TransformersBackend:
             tenant.steps = 0
 
     def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
-        checkpoint.save_adapter(self.shared, self._tenant(adapter_id).name, directory)
+        checkpoint.save_adapter(self.shared, self.tenants[adapter_id].name, directory)
 
     # Sampling
 
     def sample(self, adapter_id: str | None, requests: list[SampleRequest]) -> list[SampleOutput]:
-        name = BASE_ADAPTER if adapter_id is None else self._tenant(adapter_id).name
+        name = BASE_ADAPTER if adapter_id is None else self.tenants[adapter_id].name
         return generate(self.shared, requests, [name] * len(requests))

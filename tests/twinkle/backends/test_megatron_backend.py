@@ -113,7 +113,7 @@ def paired(megatron: MegatronBackend, hf: TransformersBackend, tmp_path: Path) -
     megatron.create_adapter(adapter_id, SPEC)
     hf.create_adapter(adapter_id, SPEC)
     generator = torch.Generator().manual_seed(5)
-    tenant = megatron._tenant(adapter_id)
+    tenant = megatron.tenants[adapter_id]
     state = {
         key: torch.randn(value.shape, generator=generator) * 0.05
         for key, value in megatron.bank.local_state(tenant.name).items()
@@ -271,7 +271,7 @@ def test_a_megatron_checkpoint_with_optimizer_continues_in_the_transformers_back
     megatron.optim_step(paired, AdamParams(learning_rate=1e-2))
     megatron.save_state(paired, tmp_path / "trained", include_optimizer=True)
     hf.load_state(paired, tmp_path / "trained", include_optimizer=True)
-    assert hf._tenant(paired).steps == 1
+    assert hf.tenants[paired].steps == 1
     for backend in (megatron, hf):
         backend.forward_backward(paired, mixed_batch())
         backend.optim_step(paired, AdamParams(learning_rate=1e-2))
@@ -289,7 +289,7 @@ def test_a_transformers_checkpoint_with_optimizer_continues_in_the_megatron_back
     hf.optim_step(paired, AdamParams(learning_rate=1e-2))
     hf.save_state(paired, tmp_path / "trained", include_optimizer=True)
     megatron.load_state(paired, tmp_path / "trained", include_optimizer=True)
-    assert megatron._tenant(paired).steps == 1
+    assert megatron.tenants[paired].steps == 1
     for backend in (megatron, hf):
         backend.forward_backward(paired, mixed_batch())
         backend.optim_step(paired, AdamParams(learning_rate=1e-2))
@@ -345,7 +345,7 @@ def test_adapter_slots_and_unknown_ids_are_enforced(tiny_model_dir: Path) -> Non
     backend.remove_adapter("one")
     backend.create_adapter("two", LoraSpec(rank=2, target_modules=("q_proj", "v_proj")))
     assert (
-        len(backend.bank.adapter(backend._tenant("two").name).parameters()) == 2 * 2 * 2
+        len(backend.bank.adapter(backend.tenants["two"].name).parameters()) == 2 * 2 * 2
     )  # 2 layers x q, v x A, B
     backend.remove_adapter("two")
     with pytest.raises(InvalidRequest, match="embed_tokens"):

@@ -141,7 +141,7 @@ def test_a_vision_language_model_loads_with_its_processor_and_lora_on_the_langua
     assert vlm.info.arch == "LlavaForConditionalGeneration"
     assert vlm.info.max_context_length == 2048  # from the text config
     vlm.create_adapter("layout", LoraSpec(rank=2, target_modules="all-linear"))
-    tenant = vlm._tenant("layout").name
+    tenant = vlm.tenants["layout"].name
     try:
         names = [name for name, _ in vlm.shared.peft.named_parameters() if f".{tenant}." in name]  # type: ignore[union-attr]
         assert any("language_model" in name for name in names)

@@ -61,12 +61,12 @@ def train(backend: TransformersBackend, adapter_id: str, steps: int, lr: float =
 def adapter_tensors(backend: TransformersBackend, adapter_id: str) -> dict[str, torch.Tensor]:
     return {
         key: value.detach().clone()
-        for key, value in backend.shared.state_dict(backend._tenant(adapter_id).name).items()
+        for key, value in backend.shared.state_dict(backend.tenants[adapter_id].name).items()
     }
 
 
 def optimizer_tensors(backend: TransformersBackend, adapter_id: str) -> list[torch.Tensor]:
-    state = backend._tenant(adapter_id).optimizer.state_dict()["state"]
+    state = backend.tenants[adapter_id].optimizer.state_dict()["state"]
     return [value.clone() for slot in state.values() for value in slot.values()]
 
 
@@ -262,7 +262,7 @@ def test_only_the_active_adapter_requires_grad(backend: TransformersBackend) -> 
     trainable = {name for name, param in backend.shared.peft.named_parameters() if param.requires_grad}  # type: ignore[union-attr]
     with_grad = {name for name, param in backend.shared.peft.named_parameters() if param.grad is not None}  # type: ignore[union-attr]
 
-    name_a = backend._tenant("a").name
+    name_a = backend.tenants["a"].name
     assert trainable and all(f".{name_a}." in name for name in trainable)
     assert with_grad == trainable
 
@@ -295,7 +295,7 @@ def test_training_one_adapter_leaves_another_bit_identical(backend: Transformers
 
     assert_same(adapter_tensors(backend, "b"), weights_b)
     assert_same(optimizer_tensors(backend, "b"), moments_b)
-    assert backend._tenant("b").steps == 1 and backend._tenant("a").steps == 3
+    assert backend.tenants["b"].steps == 1 and backend.tenants["a"].steps == 3
 
 
 def test_interleaved_tenants_match_sequential_runs(make_backend: BackendFactory) -> None:
@@ -375,7 +375,7 @@ def test_removing_adapters_frees_their_weights_and_optimizer(backend: Transforme
     for cycle in range(3):
         backend.create_adapter(f"temp{cycle}", LoraSpec(rank=16))
         train(backend, f"temp{cycle}", steps=1)
-        tenant = backend._tenant(f"temp{cycle}")
+        tenant = backend.tenants[f"temp{cycle}"]
         probes += [weakref.ref(tenant.optimizer), weakref.ref(tenant.params[0])]
         del tenant
         backend.remove_adapter(f"temp{cycle}")
@@ -405,7 +405,7 @@ def test_load_state_resumes_training_exactly(make_backend: BackendFactory, tmp_p
         assert resumed == continued
     else:
         assert resumed == pytest.approx(continued, rel=1e-5)
-    assert resumed_backend._tenant("a").steps == 6
+    assert resumed_backend.tenants["a"].steps == 6
     state = json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())
     assert state["steps"] == 3
 
@@ -426,7 +426,7 @@ def test_load_state_without_optimizer_restores_weights_and_resets_moments(
     backend.load_state("a", tmp_path / "weights", include_optimizer=False)
 
     assert_same(adapter_tensors(backend, "a"), saved)
-    assert backend._tenant("a").optimizer.state_dict()["state"] == {}
+    assert backend.tenants["a"].optimizer.state_dict()["state"] == {}
     with pytest.raises(InvalidRequest, match="no optimizer state"):
         backend.load_state("a", tmp_path / "weights", include_optimizer=True)
 

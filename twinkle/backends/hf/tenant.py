@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from twinkle.errors import InvalidRequest
+from twinkle.errors import InvalidRequest, LimitExceeded, NotFound
 from twinkle.types import AdamParams, LoraSpec
 
 
@@ -71,6 +72,48 @@ class Tenant:
     def zero_grad(self) -> None:
         for param in self.params:
             param.grad = None
+
+
+class TenantSlots:
+    """The tenants of one replica by adapter id, at most `max_loras` of them, each with a fresh adapter name."""
+
+    def __init__(self, max_loras: int) -> None:
+        if max_loras < 1:
+            raise InvalidRequest(f"max_loras must be at least 1, got {max_loras}.")
+        self.max_loras = max_loras
+        self._by_id: dict[str, Tenant] = {}
+        self._names = (f"tenant_{number}" for number in itertools.count())
+
+    def reserve(self, adapter_id: str) -> str:
+        """The adapter name for a new tenant; raises while the id exists or every slot is taken."""
+        if adapter_id in self._by_id:
+            raise InvalidRequest(f"Adapter {adapter_id} already exists on this replica.")
+        if len(self._by_id) >= self.max_loras:
+            raise LimitExceeded(
+                f"All {self.max_loras} LoRA slots of this replica are in use ({len(self._by_id)} adapters).",
+                hint="Unload an adapter or wait for idle ones to expire.",
+                max_loras=self.max_loras,
+            )
+        return next(self._names)
+
+    def add(self, tenant: Tenant) -> None:
+        self._by_id[tenant.adapter_id] = tenant
+
+    def pop(self, adapter_id: str) -> Tenant | None:
+        """Forget the tenant, its gradients released; None for an unknown id."""
+        tenant = self._by_id.pop(adapter_id, None)
+        if tenant is not None:
+            tenant.zero_grad()
+        return tenant
+
+    def __contains__(self, adapter_id: object) -> bool:
+        return adapter_id in self._by_id
+
+    def __getitem__(self, adapter_id: str) -> Tenant:
+        tenant = self._by_id.get(adapter_id)
+        if tenant is None:
+            raise NotFound(f"No adapter {adapter_id} on this replica.", hint="Create the model first.")
+        return tenant
 
 
 def new_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
