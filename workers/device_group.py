@@ -34,6 +34,7 @@ from twinkle.config.parallelism import device_group_size
 from twinkle.errors import TwinkleError
 from twinkle.pool_exit import PoolExit
 from twinkle.types import ModelInfo
+from workers.factory import on_loopback
 from workers.rank_replica import RankReplica
 
 log = logging.getLogger("twinkle.device_group")
@@ -49,7 +50,9 @@ def connect(config: Any, *, local_cpus: int) -> None:
         return
     namespace = os.environ.get("TWINKLE_RAY_NAMESPACE") or config.ray_namespace
     if config.ray.address:
-        ray.init(address=config.ray.address, namespace=namespace, log_to_driver=True)
+        # joining a cluster on loopback: this driver's endpoints stay on loopback too
+        node_ip = "127.0.0.1" if on_loopback(config.ray.address) else None
+        ray.init(address=config.ray.address, namespace=namespace, log_to_driver=True, _node_ip_address=node_ip)
         log.info("joined the Ray cluster at %s (namespace %s)", config.ray.address, namespace)
         return
     # loopback only (with workers.factory.PRIVATE_RAY_ENV, set before Ray was imported)

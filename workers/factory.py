@@ -36,13 +36,20 @@ def build_model_pool(config: Any, app: Any, replica: int) -> tuple[Any, Any]:
     """A model pool's backend and checkpoint sampler: in this process, or on a Ray device group when the
     pool spans several ranks or the config names a Ray cluster."""
     if needs_ray(config, app.args):
-        if not config.ray.address:
+        if on_loopback(config.ray.address):  # a private cluster, or one on this machine's loopback
             for key, value in PRIVATE_RAY_ENV.items():
                 os.environ.setdefault(key, value)
         from workers.device_group import start_device_group  # deferred: imports Ray, which reads the env
 
         return start_device_group(config, app, f"{app.name}.{replica}")
     return build_backend_and_sampler(app.args)
+
+
+def on_loopback(address: str | None) -> bool:
+    """True for no address (Ray started here) or one on 127.0.0.1/localhost: this process's own Ray
+    endpoints should then listen on loopback too, not on the machine's network address."""
+    host = (address or "127.0.0.1").removeprefix("ray://").rsplit(":", 1)[0]
+    return host in ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def build_backend_and_sampler(args: Any) -> tuple[Any, Any]:

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 
 from twinkle.config import parse_config
 from twinkle.types import AdamParams, Datum, ForwardBackwardInput, LoraSpec, chunks_from_tokens
-from workers.factory import build_model_backend
+from workers.factory import build_model_backend, on_loopback
 
 pytestmark = pytest.mark.slow
 
@@ -118,3 +118,12 @@ def test_the_ray_instance_listens_on_loopback_only(ray_address: str) -> None:
     listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in ours]
     assert listening
     assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, listening
+
+
+@pytest.mark.parametrize(("address", "local"), [
+    (None, True), ("", True), ("127.0.0.1:6379", True), ("localhost:10001", True), ("ray://127.0.0.1:10001", True),
+    ("10.0.0.5:6379", False), ("head.cluster:6379", False), ("ray://10.0.0.5:10001", False),
+])
+def test_a_ray_address_on_loopback_keeps_this_processs_ray_endpoints_on_loopback(address: str | None,
+                                                                                 local: bool) -> None:
+    assert on_loopback(address) is local

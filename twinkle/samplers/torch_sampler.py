@@ -205,4 +205,3 @@ class TorchSampler:
                 hint="Sample with the base model the adapter was trained on.",
             ) from error
         self._loaded[name] = None
-
