@@ -117,7 +117,19 @@ def test_the_ray_instance_listens_on_loopback_only(ray_address: str) -> None:
     ours = {p.pid for p in psutil.Process().children(recursive=True)}  # gcs_server, raylet, its workers
     listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in ours]
     assert listening
-    assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, listening
+    exposed = [(c.laddr.ip, c.laddr.port, _describe(c.pid)) for c in listening
+               if c.laddr.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    assert not exposed, exposed
+
+
+def _describe(pid: int | None) -> str:
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        return f"{pid} {process.name()} {' '.join(process.cmdline())[:200]} (parent {process.ppid()})"
+    except psutil.Error:
+        return f"{pid} (gone)"
 
 
 @pytest.mark.parametrize(("address", "local"), [

@@ -8,6 +8,7 @@ all-reduce, because a LoRA adapter is hundreds of small tensors and each collect
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -28,9 +29,24 @@ def join_process_group(*, master_addr: str, master_port: int, rank: int, world_s
     backend = "nccl" if device_type == "cuda" and torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(0)  # Ray exposes exactly one GPU to each rank
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    store = rendezvous_store(master_addr, master_port, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     return backend
+
+
+def rendezvous_store(master_addr: str, master_port: int, *, rank: int, world_size: int) -> dist.TCPStore:
+    """The process group's key-value store. torch's own master listens on every interface; this one listens
+    on `master_addr` only (loopback for a one-node group), so the unauthenticated store is not exposed."""
+    listen_fd = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((master_addr, master_port))
+        listener.listen(max(64, world_size))
+        listen_fd = listener.detach()  # the store owns the socket from here on
+    return dist.TCPStore(master_addr, master_port, world_size, rank == 0, COLLECTIVE_TIMEOUT,
+                         master_listen_fd=listen_fd)
 
 
 class TorchGradientReducer:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from twinkle.backends.collectives import rendezvous_store
 from twinkle.errors import InvalidRequest
 
 
@@ -121,4 +122,5 @@ def _init_process_group(device: torch.device) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    store = rendezvous_store("127.0.0.1", port, rank=0, world_size=1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
