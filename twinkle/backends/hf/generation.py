@@ -11,7 +11,7 @@ prompt are expanded into image tokens (`hf.images`) and read in the prefill; dec
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,11 +61,13 @@ class Decoder:
 
     def __init__(self, shared: SharedModel) -> None:
         self.shared = shared
-        self.requests: list[SampleRequest] = []
-        self.names: list[str | None] = []
-        self.generators: list[torch.Generator] = []
+        # by request index, until the request is popped or failed: a long-running serve forgets what it served
+        self.requests: dict[int, SampleRequest] = {}
+        self.names: dict[int, str | None] = {}
+        self.generators: dict[int, torch.Generator] = {}
         self.results: dict[int, SampleOutput] = {}
         self.rows: dict[int, _Row] = {}
+        self._request_ids = itertools.count()
         self._keys = itertools.count()
         self.unfinished: dict[int, int] = {}  # request index -> rows still generating
         self.active: list[int] = []  # keys of running rows, in cache order
@@ -98,7 +100,7 @@ class Decoder:
         device = base.device
         vision = base.images.batch([arrays for _, arrays in expanded], device=device, dtype=base.model.dtype)
         names = list(adapter_names) if adapter_names is not None else [None] * len(requests)
-        first = len(self.requests)
+        ids = [next(self._request_ids) for _ in requests]
         shared.train(False)
         with torch.inference_mode():
             width = max(len(prompt) for prompt in prompts)
@@ -121,16 +123,16 @@ class Decoder:
                     **last_only,
                     **vision,
                 )
-            for offset, (request, prompt) in enumerate(zip(requests, prompts, strict=True)):
-                self.results[first + offset] = _prompt_output(request, output.logits[offset], input_ids[offset],
-                                                              len(prompt))
-            self.requests.extend(requests)
-            self.names.extend(names)
-            self.generators.extend(_generator(request.params, device) for request in requests)
             joining: list[int] = []  # prefill row of each joining sample row
-            for offset, request in enumerate(requests):
-                limit = min(request.params.max_tokens, base.info.max_context_length - len(prompts[offset]))
-                rows = [_Row(first + offset, limit) for _ in range(request.num_samples)]
+            for offset, (request_id, request, name, prompt) in enumerate(zip(ids, requests, names, prompts,
+                                                                             strict=True)):
+                self.results[request_id] = _prompt_output(request, output.logits[offset], input_ids[offset],
+                                                          len(prompt))
+                self.requests[request_id] = request
+                self.names[request_id] = name
+                self.generators[request_id] = _generator(request.params, device)
+                limit = min(request.params.max_tokens, base.info.max_context_length - len(prompt))
+                rows = [_Row(request_id, limit) for _ in range(request.num_samples)]
                 for row in rows:
                     key = next(self._keys)
                     self.rows[key] = row
@@ -141,9 +143,9 @@ class Decoder:
                         joining.append(offset)
                 running = sum(row.stop_reason is None for row in rows)
                 if running:
-                    self.unfinished[first + offset] = running
+                    self.unfinished[request_id] = running
                 else:
-                    self.finished.append(first + offset)
+                    self.finished.append(request_id)
             if joining:
                 # Rows of one request share its prefill; copy cache, mask and next-token logits to each row.
                 origin = torch.tensor(joining, device=device)
@@ -151,7 +153,7 @@ class Decoder:
                 cache.reorder_cache(origin)
                 self._merge(cache, attention.index_select(0, origin),
                             output.logits[:, -1, :].float().index_select(0, origin))
-        return list(range(first, first + len(requests)))
+        return ids
 
     def _merge(self, cache: Any, attention: torch.Tensor, logits: torch.Tensor) -> None:
         if self.cache is None or self.logits is None:
@@ -218,7 +220,8 @@ class Decoder:
             self.positions = self.positions + 1
 
     def pop(self, request: int) -> SampleOutput:
-        """The finished request's output; its rows are forgotten."""
+        """The finished request's output; the request and its rows are forgotten."""
+        self._forget(request)
         output = self.results.pop(request)
         for key in [key for key, row in self.rows.items() if row.request == request]:
             row = self.rows.pop(key)
@@ -230,10 +233,14 @@ class Decoder:
         dropped = sorted(self.unfinished)
         for request in dropped:
             self.results.pop(request, None)
+            self._forget(request)
         self.rows = {key: row for key, row in self.rows.items() if row.request not in self.unfinished}
         self.unfinished.clear()
         self._reset()
         return dropped
+
+    def _forget(self, request: int) -> None:
+        del self.requests[request], self.names[request], self.generators[request]
 
     def _reset(self) -> None:
         self.active, self.cache, self.logits = [], None, None
@@ -270,7 +277,8 @@ def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _choose_tokens(
-    logits: torch.Tensor, rows: list[_Row], requests: Sequence[SampleRequest], generators: list[torch.Generator]
+    logits: torch.Tensor, rows: list[_Row], requests: Mapping[int, SampleRequest],
+    generators: Mapping[int, torch.Generator],
 ) -> torch.Tensor:
     """The next token of each active row, drawn per request from that request's generator."""
     chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
