@@ -34,6 +34,8 @@ import httpx
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from raw_client import datum
+
 from tests.harness import free_port
 from twinkle.tiny_model import ensure_tiny_model
 
@@ -46,13 +48,6 @@ def pct(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
-def datum(n: int = 32) -> dict[str, Any]:
-    tokens = [(7 * i) % 400 + 3 for i in range(n + 1)]
-    return {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
-            "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64"},
-                               "weights": {"data": [1.0] * n, "dtype": "float32"}}}
 
 
 SAMPLE = {"base_model": "tiny-qwen", "num_samples": 1, "prompt": {"chunks": [
