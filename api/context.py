@@ -6,12 +6,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.checkpoint_writes import CheckpointWrites
 from api.hub import FutureHub
 from api.ratelimit import RateLimiter
 from api.store import Store
 from twinkle.auth import KeyChecker
 from twinkle.catalog import Catalog, ServedModel
 from twinkle.checkpoints import CheckpointStore
+from twinkle.download_urls import DownloadSigner
 from twinkle.keys import Keys
 
 
@@ -28,6 +30,8 @@ class ApiContext:
     long_poll_seconds: float = 30.0
     max_request_bytes: int = 64 << 20
     tinker_client_config: dict[str, Any] = field(default_factory=dict)
+    writes: CheckpointWrites | None = None  # the per-key cap on outstanding checkpoint saves
+    downloads: DownloadSigner | None = None  # signs download URLs; made on first use (api/routes/downloads.py)
 
     async def model_info(self, served: ServedModel) -> dict[str, Any] | None:
         """What the pool published about its loaded model (vocab size, context length, tokenizer)."""

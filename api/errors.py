@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.unsupported import describe_missing_route
+from twinkle.checkpoints import storage_failure
 from twinkle.errors import BrokerUnavailable, RateLimited, TwinkleError
 
 log = logging.getLogger("twinkle.api")
@@ -52,6 +54,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(redis.exceptions.ConnectionError)
     @app.exception_handler(redis.exceptions.TimeoutError)
     async def _broker_down(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("broker unreachable in %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         return error_response(request, BrokerUnavailable(
             "The server's queue (Redis) is unreachable.", hint="Retry in a few seconds."))
 
@@ -72,13 +75,22 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         rid = request_id_of(request)
         message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
-        if exc.status_code == 404 and message == "Not Found":
-            message = f"No route {request.method} {request.url.path}. See the API reference in the README."
-        return JSONResponse({"error": message, "category": "user", "code": f"http_{exc.status_code}",
-                             "request_id": rid}, status_code=exc.status_code, headers={"x-request-id": rid})
+        code = f"http_{exc.status_code}"
+        if exc.status_code == 404 and message == "Not Found":  # no route matched, not a NotFound of ours
+            code, message = describe_missing_route(request.method, request.url.path)
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "another method")
+            message = f"{request.method} {request.url.path} is not accepted here; this route takes {allowed}."
+        return JSONResponse({"error": message, "category": "user", "code": code,
+                             "request_id": rid}, status_code=exc.status_code,
+                            headers={"x-request-id": rid, "x-should-retry": "false", **(exc.headers or {})})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        failure = storage_failure(exc)  # a full or read-only checkpoint disk is the operator's, and says so
+        if failure is not None:
+            log.error("checkpoint storage failed in %s %s: %s", request.method, request.url.path, exc)
+            return error_response(request, failure)
         rid = request_id_of(request)
         log.exception("unhandled error in %s %s (request %s)", request.method, request.url.path, rid)
         return JSONResponse({"error": f"Internal server error. Report request id {rid} to the operator.",

@@ -1,10 +1,13 @@
-"""One shared pub/sub listener per API process that wakes long-polls when their future finishes.
+"""One pub/sub connection per API process that wakes long-polls when their future finishes.
 
-Waiters register an asyncio future per channel; the first waiter of a channel SUBSCRIBEs, the last
-one UNSUBSCRIBEs. `register` returns once Redis confirmed the subscription: Redis may run a command sent
-later on another connection (the waiter's re-read of the record) before the SUBSCRIBE, so a result
-published in between would be missed (seen: a 5 s stall about once in 700 ops). After that the waiter
-re-reads the record, and it re-reads every few seconds in case a message was lost to a reconnect.
+The hub PSUBSCRIBEs once to every future's done channel (`<root>done:*`), so a parked long-poll holds no
+Redis connection and costs no command: registering is a dict insert. Wake-ups cannot be lost:
+
+- while the subscription is confirmed, a result published after a waiter registered reaches the hub, and
+  one published before is seen by the waiter's own read of the record, which comes after registering;
+- when the connection drops, the hub reconnects, and once Redis confirmed the new subscription it re-reads
+  every waiter's record in one pipeline, waking those that finished (or whose broker restarted) meanwhile;
+- every RECHECK_SECONDS the same batched re-read runs anyway, in case a message was lost some other way.
 """
 
 from __future__ import annotations
@@ -16,99 +19,151 @@ from collections import defaultdict
 
 import redis.asyncio as aioredis
 
+from twinkle.futures import FutureStatus
+from twinkle.keys import Keys
+
 log = logging.getLogger("twinkle.api.hub")
-CONFIRM_SECONDS = 2.0  # past this a waiter goes on unconfirmed; its periodic re-read still finds the result
+RECHECK_SECONDS = 5.0  # batched re-read of every parked waiter, in case a message was lost
+CONFIRM_SECONDS = 5.0  # a PSUBSCRIBE not confirmed within this is treated as a lost connection
+RECONNECT_SECONDS = 0.5
+READ_BATCH = 1000  # records per pipeline in a re-read
+TERMINAL = {FutureStatus.COMPLETED.value, FutureStatus.FAILED.value}
+
+
+class Waiter:
+    """One parked long-poll: an event the hub sets when the future may have changed."""
+
+    __slots__ = ("request_id", "woken")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.woken = asyncio.Event()
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
 
 
 class FutureHub:
-    def __init__(self, r: aioredis.Redis) -> None:
+    def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
         self._r = r
-        self._pubsub = r.pubsub()
-        self._waiters: dict[str, set[asyncio.Future[None]]] = defaultdict(set)
-        self._confirmations: dict[str, asyncio.Future[None]] = {}
-        self._lock = asyncio.Lock()
-        self._reader: asyncio.Task[None] | None = None
-        self._subscribed = asyncio.Event()
+        self._channel_prefix = keys.done_channel("")
+        self._pattern = _glob_escape(self._channel_prefix) + "*"
+        self._keys = keys
+        self._waiters: dict[str, set[Waiter]] = defaultdict(set)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._recheck_now = asyncio.Event()
+        self.subscribed = asyncio.Event()  # set while Redis has confirmed the pattern subscription
+        self.reconnects = 0
 
     @property
     def pending(self) -> int:
         return sum(len(w) for w in self._waiters.values())
 
     async def start(self) -> None:
-        self._reader = asyncio.create_task(self._read_forever(), name="twinkle-future-hub")
+        self._tasks = [asyncio.create_task(self._listen_forever(), name="twinkle-future-hub"),
+                       asyncio.create_task(self._recheck_forever(), name="twinkle-future-hub-recheck")]
 
     async def close(self) -> None:
-        if self._reader:
-            self._reader.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
-        with contextlib.suppress(Exception):
-            await self._pubsub.aclose()
+                await task
 
-    async def register(self, channel: str) -> asyncio.Future[None]:
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        async with self._lock:
-            first = not self._waiters[channel]
-            self._waiters[channel].add(waiter)
-            if first:
-                self._confirmations[channel] = asyncio.get_running_loop().create_future()
-                await self._pubsub.subscribe(channel)
-                self._subscribed.set()
-            confirmation = self._confirmations.get(channel)
-        if confirmation is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(confirmation), CONFIRM_SECONDS)
+    def register(self, request_id: str) -> Waiter:
+        """Park a waiter for `request_id`; the caller must read the record after this returns."""
+        waiter = Waiter(request_id)
+        self._waiters[request_id].add(waiter)
         return waiter
 
-    async def unregister(self, channel: str, waiter: asyncio.Future[None]) -> None:
-        async with self._lock:
-            waiters = self._waiters.get(channel)
-            if waiters is None:
-                return
-            waiters.discard(waiter)
-            if not waiters:
-                del self._waiters[channel]
-                self._confirmations.pop(channel, None)
-                with contextlib.suppress(Exception):
-                    await self._pubsub.unsubscribe(channel)
+    def unregister(self, waiter: Waiter) -> None:
+        waiters = self._waiters.get(waiter.request_id)
+        if waiters is None:
+            return
+        waiters.discard(waiter)
+        if not waiters:
+            del self._waiters[waiter.request_id]
 
-    async def _read_forever(self) -> None:
+    def _wake(self, request_id: str) -> None:
+        for waiter in self._waiters.get(request_id, ()):
+            waiter.woken.set()
+
+    # -- the subscription ----------------------------------------------------------------------
+
+    async def _listen_forever(self) -> None:
         while True:
+            pubsub = self._r.pubsub()
             try:
-                if not self._pubsub.subscribed:
-                    # get_message needs a subscription; wait for the first waiter (clear, then re-check,
-                    # so that a waiter registering in between is never missed)
-                    self._subscribed.clear()
-                    if not self._pubsub.subscribed:
-                        await self._subscribed.wait()
-                message = await self._pubsub.get_message(timeout=1.0)
+                await pubsub.psubscribe(self._pattern)
+                await self._confirmed(pubsub)
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is None:
+                        continue
+                    if message.get("type") == "psubscribe":  # redis-py resubscribed on its own
+                        self._recheck_now.set()
+                        continue
+                    if message.get("type") != "pmessage":
+                        continue
+                    channel = message["channel"]
+                    channel = channel.decode() if isinstance(channel, bytes) else channel
+                    if channel.startswith(self._channel_prefix):
+                        self._wake(channel[len(self._channel_prefix):])
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - reconnect and let waiters re-read on their timer
-                log.warning("pub/sub listener lost the broker (%s); reconnecting", exc)
-                await asyncio.sleep(0.5)
-                await self._resubscribe()
-                continue
-            kind = message.get("type") if message else None
-            if kind not in ("message", "subscribe"):
-                continue
-            channel = message["channel"]
-            channel = channel.decode() if isinstance(channel, bytes) else channel
-            if kind == "subscribe":
-                confirmation = self._confirmations.get(channel)
-                if confirmation is not None and not confirmation.done():
-                    confirmation.set_result(None)
-                continue
-            for waiter in list(self._waiters.get(channel, ())):
-                if not waiter.done():
-                    waiter.set_result(None)
-
-    async def _resubscribe(self) -> None:
-        async with self._lock:
-            with contextlib.suppress(Exception):
-                await self._pubsub.aclose()
-            self._pubsub = self._r.pubsub()
-            channels = list(self._waiters)
-            if channels:
+            except Exception as exc:  # noqa: BLE001 - reconnect; the re-read after it wakes what was missed
+                if self.subscribed.is_set():
+                    log.warning("future hub lost the broker (%s); reconnecting", exc)
+                self.subscribed.clear()
+                self.reconnects += 1
+                await asyncio.sleep(RECONNECT_SECONDS)
+            finally:
                 with contextlib.suppress(Exception):
-                    await self._pubsub.subscribe(*channels)
+                    await pubsub.aclose()
+
+    async def _confirmed(self, pubsub: aioredis.client.PubSub) -> None:
+        """Wait for Redis to confirm the subscription, then re-read every waiter (messages sent before it
+        was confirmed never reach us)."""
+        async with asyncio.timeout(CONFIRM_SECONDS):
+            while True:
+                message = await pubsub.get_message(timeout=CONFIRM_SECONDS)
+                if message is not None and message.get("type") == "psubscribe":
+                    break
+        self.subscribed.set()
+        self._recheck_now.set()
+
+    # -- batched re-reads ----------------------------------------------------------------------
+
+    async def _recheck_forever(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._recheck_now.wait(), RECHECK_SECONDS)
+            self._recheck_now.clear()
+            if not self._waiters:
+                continue
+            try:
+                await self.recheck()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the broker is away; the next round tries again
+                log.debug("future hub re-read failed: %s", exc)
+
+    async def recheck(self) -> int:
+        """Re-read every waiter's record (one pipeline per READ_BATCH) and wake those that finished, vanished
+        or outlived their broker (the long-poll's own read then decides). Returns how many it woke."""
+        ids = list(self._waiters)
+        info = await self._r.info("server")
+        run_id = str(info.get("run_id", ""))
+        woken = 0
+        for start in range(0, len(ids), READ_BATCH):
+            batch = ids[start:start + READ_BATCH]
+            pipe = self._r.pipeline(transaction=False)
+            for request_id in batch:
+                pipe.hmget(self._keys.future(request_id), "status", "broker_run_id")
+            for request_id, fields in zip(batch, await pipe.execute(), strict=True):
+                status, record_run_id = (f.decode() if isinstance(f, bytes) else f for f in fields)
+                if status is None or status in TERMINAL or (record_run_id and run_id and record_run_id != run_id):
+                    self._wake(request_id)
+                    woken += 1
+        return woken

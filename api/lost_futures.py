@@ -33,14 +33,29 @@ class LostFutures:
         self.keys = keys
         self._fail_script = r.register_script(_FAIL_IF_UNCHANGED)
 
-    async def check(self, record: FutureRecord, broker_run_id: str) -> FutureRecord:
-        """The record as it should be seen: unchanged, adopted by the current broker, or failed as lost."""
-        if record.state.terminal or not record.broker_run_id or not broker_run_id:
+    async def check(self, record: FutureRecord, broker_run_id: str, *, broker_started_at: float = 0.0
+                    ) -> FutureRecord:
+        """The record as it should be seen: unchanged, adopted by the current broker, or failed as lost.
+
+        `broker_started_at`, when known, lets a queued message its worker holds in memory (delivered just
+        before the broker went away, so in no queue and no unacked hash) count as surviving: the pool's
+        heartbeat written since then names every message it holds.
+
+        A queued record whose pool worker restarted after it was submitted is checked the same way: a worker
+        killed or frozen between popping a message and recording it as unacked took the message with it."""
+        if record.state.terminal:
             return record
-        if record.broker_run_id == broker_run_id:
-            return record
+        if not record.broker_run_id or not broker_run_id or record.broker_run_id == broker_run_id:
+            if record.state is not FutureStatus.QUEUED:
+                return record
+            raw_beat = await self.r.get(self.keys.pool_heartbeat(record.queue))
+            since = float(json.loads(raw_beat).get("since", 0)) if raw_beat else 0.0
+            if not since or record.created_at >= since:
+                return record  # its worker was already running when it was submitted
+            broker_run_id = record.broker_run_id or broker_run_id
+            broker_started_at = max(broker_started_at, since)
         for attempt in range(2):
-            found = await self._message_found(record)
+            found = await self._message_found(record, broker_started_at)
             if found is None:
                 return record  # cannot tell yet (the pool is restarting); ask again on the next poll
             if found:
@@ -56,7 +71,7 @@ class LostFutures:
                     return fresh  # it moved on (a worker took it, or it finished)
         return await self._fail(record)
 
-    async def _message_found(self, record: FutureRecord) -> bool | None:
+    async def _message_found(self, record: FutureRecord, broker_started_at: float = 0.0) -> bool | None:
         needle = record.request_id.encode()
         queued = await self.r.lrange(record.queue, 0, -1) if record.state is FutureStatus.QUEUED else []
         if any(needle in raw for raw in queued):
@@ -69,6 +84,12 @@ class LostFutures:
             if float(beat.get("t", 0)) <= record.started_at:
                 return None  # no heartbeat since the op started: its worker may not have reported it yet
             return bool(beat.get("current") == record.request_id)
+        if broker_started_at:
+            raw_beat = await self.r.get(self.keys.pool_heartbeat(record.queue))
+            beat = json.loads(raw_beat) if raw_beat else {}
+            if float(beat.get("t", 0)) <= broker_started_at:
+                return None  # its worker has not reported to this broker yet: it may hold the message
+            return record.request_id in beat.get("held", ())
         return False
 
     async def _fail(self, record: FutureRecord) -> FutureRecord:

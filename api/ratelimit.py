@@ -17,7 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from twinkle.catalog import Catalog
+from twinkle.catalog import Catalog, processor_queue
 from twinkle.config import QueueConfig
 from twinkle.errors import InvalidRequest, RateLimited
 from twinkle.keys import Keys
@@ -60,8 +60,9 @@ class RateLimiter:
 
     @classmethod
     def from_config(cls, r: aioredis.Redis, keys: Keys, config: Any, catalog: Catalog) -> RateLimiter:
-        limits = {app.name: app.args.queue_config for app in [*config.model_apps(), *config.sampler_apps()]}
-        queue_apps: dict[str, str] = {}
+        apps = [*config.model_apps(), *config.sampler_apps(), *config.processor_apps()]
+        limits = {app.name: app.args.queue_config for app in apps}
+        queue_apps: dict[str, str] = {processor_queue(app.name): app.name for app in config.processor_apps()}
         for served in catalog.models.values():
             for queue in served.model_queues:
                 queue_apps[queue] = served.model_app or ""

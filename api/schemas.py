@@ -10,6 +10,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from twinkle.errors import InvalidRequest
+
+# Sequence numbers become parts of ids (`<session>:train:<seq>`) and Redis keys: int64 keeps every id short
+# enough to be addressed again (see MAX_ID_LENGTH).
+MAX_SEQ_ID = 2**63 - 1
+MAX_ID_LENGTH = 200  # the longest id any route accepts back (run ids in checkpoint paths, sampler ids)
+
+
+def checked_new_id(value: str, what: str) -> str:
+    """An id made from client input (a session id and a sequence number), refused at creation if it is too
+    long to be addressed afterwards."""
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidRequest(f"The new {what} would be {len(value)} characters long; ids are at most "
+                             f"{MAX_ID_LENGTH}.", hint="Use a smaller sequence number.")
+    return value
+
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
@@ -52,7 +68,7 @@ class OptimizerConfigBody(Body):
 
 class CreateModelBody(Body):
     session_id: str = Field(max_length=200)
-    model_seq_id: int | None = Field(default=None, ge=0)
+    model_seq_id: int | None = Field(default=None, ge=0, le=MAX_SEQ_ID)
     base_model: str = Field(max_length=500)
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfigBody | None = None
@@ -74,7 +90,7 @@ class AdamParamsBody(Body):
 
 class OptimStepBody(Body):
     model_id: str = Field(max_length=300)
-    seq_id: int | None = None
+    seq_id: int | None = Field(default=None, le=MAX_SEQ_ID)
     adam_params: AdamParamsBody | None = None
     optimizer_params: dict[str, Any] | None = None
 
@@ -82,7 +98,7 @@ class OptimStepBody(Body):
 class SaveWeightsBody(Body):
     model_id: str = Field(max_length=300)
     path: str | None = Field(default=None, max_length=200)
-    seq_id: int | None = None
+    seq_id: int | None = Field(default=None, le=MAX_SEQ_ID)
     ttl_seconds: int | None = Field(default=None, gt=0)
     overwrite: bool = False
     user_metadata: dict[str, str] | None = None
@@ -91,18 +107,35 @@ class SaveWeightsBody(Body):
 class SaveWeightsForSamplerBody(Body):
     model_id: str = Field(max_length=300)
     path: str | None = Field(default=None, max_length=200)
-    sampling_session_seq_id: int | None = None
+    sampling_session_seq_id: int | None = Field(default=None, ge=0, le=MAX_SEQ_ID)
     kind: Literal["snapshot", "inflight"] = "snapshot"
-    seq_id: int | None = None
+    seq_id: int | None = Field(default=None, le=MAX_SEQ_ID)
     ttl_seconds: int | None = Field(default=None, gt=0)
     user_metadata: dict[str, str] | None = None
 
 
+class SaveWeightsExternalBody(Body):
+    model_id: str = Field(max_length=300)
+    path: str = Field(max_length=200)
+    seq_id: int | None = Field(default=None, le=MAX_SEQ_ID)
+    ttl_seconds: int | None = Field(default=None, gt=0)
+    age_encryption_recipients: list[str] | None = Field(default=None, max_length=10)
+
+
+class CopyWeightsBody(Body):
+    source_path: str = Field(max_length=1000)
+    session_id: str | None = Field(default=None, max_length=200)
+    model_seq_id: int | None = Field(default=None, ge=0, le=MAX_SEQ_ID)
+    destination_project_id: str | None = Field(default=None, max_length=200)
+    ttl_seconds: int | None = Field(default=None, gt=0)
+    weights_access_token: str | None = None
+
+
 class LoadWeightsBody(Body):
     model_id: str | None = Field(default=None, max_length=300)
-    seq_id: int | None = None
+    seq_id: int | None = Field(default=None, le=MAX_SEQ_ID)
     session_id: str | None = Field(default=None, max_length=200)
-    model_seq_id: int | None = Field(default=None, ge=0)
+    model_seq_id: int | None = Field(default=None, ge=0, le=MAX_SEQ_ID)
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     path: str = Field(max_length=1000)
@@ -111,7 +144,7 @@ class LoadWeightsBody(Body):
 
 class CreateSamplingSessionBody(Body):
     session_id: str = Field(max_length=200)
-    sampling_session_seq_id: int | None = None
+    sampling_session_seq_id: int | None = Field(default=None, ge=0, le=MAX_SEQ_ID)
     base_model: str | None = Field(default=None, max_length=500)
     model_path: str | None = Field(default=None, max_length=1000)
 
@@ -123,13 +156,14 @@ class SampleBody(Body):
     base_model: str | None = Field(default=None, max_length=500)
     model_path: str | None = Field(default=None, max_length=1000)
     sampling_session_id: str | None = Field(default=None, max_length=200)
-    seq_id: int | None = None
+    seq_id: int | None = Field(default=None, le=MAX_SEQ_ID)
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=64)
     topk_sample_logprobs: int = Field(default=0, ge=0, le=64)
     prompt_alt_tokens_k: int = Field(default=0, ge=0, le=0, description="not supported: must be 0")
     target_prompt_logprobs: None = Field(default=None, description="not supported: must be absent")
     prompt_logprobs_last_n: int | None = Field(default=None, ge=1)
+    record_stability_info: bool = False  # stable_reinforce: remember the sequences (api.provenance)
 
 
 class RetrieveFutureBody(Body):

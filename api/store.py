@@ -50,6 +50,7 @@ class Store:
         self.broker_started_at = 0.0
         self.broker_run_id = ""
         self._identity_checked = 0.0
+        self._identity_refresh: asyncio.Future[None] | None = None
         self.lost = LostFutures(r, keys)
         self._submit_script = r.register_script(_SUBMIT)
 
@@ -62,18 +63,22 @@ class Store:
     async def _fresh_broker_identity(self) -> None:
         """Notice a broker restart within a couple of seconds (a restart changes the run_id)."""
         if time.monotonic() - self._identity_checked > BROKER_IDENTITY_MAX_AGE:
-            await self.refresh_broker_identity()
+            # one INFO for every request that finds it stale at once (thousands of long-polls waking together)
+            if self._identity_refresh is None or self._identity_refresh.done():
+                self._identity_refresh = asyncio.ensure_future(self.refresh_broker_identity())
+            await asyncio.shield(self._identity_refresh)
 
     # -- futures -------------------------------------------------------------------------------
 
     async def submit(self, *, op: str, owner: str, model_id: str, queue: str, payload: Any,
-                     seq_id: int | None = None, dedupe_scope: str | None = None) -> str:
+                     seq_id: int | None = None, dedupe_scope: str | None = None, request_id: str = "") -> str:
         """Store the payload and the future record, then publish.
 
         A retried submit with the same (scope, seq_id), the scope being the model unless given, gets
-        the first submit's request id back and runs once.
+        the first submit's request id back and runs once. `request_id` is one from `new_request_id`
+        that the caller needed before submitting (to reserve a checkpoint write); by default a new one.
         """
-        request_id = new_request_id()
+        request_id = request_id or new_request_id()
         scope = dedupe_scope or model_id
         dedupe_key = self.keys.dedupe(scope, seq_id) if seq_id is not None and scope else ""
         record = FutureRecord(request_id=request_id, op=op, owner=owner, model_id=model_id, queue=queue,
@@ -84,7 +89,7 @@ class Store:
         winner = await self._submit_script(
             keys=[dedupe_key or self.keys.future(request_id), self.keys.queue_tickets(queue),
                   self.keys.future(request_id), self.keys.blob_in(request_id),
-                  self.keys.model(model_id) if model_id else ""],
+                  self.keys.model(model_id) if model_id else "", self.keys.owner_futures(owner)],
             args=[request_id, self.future_ttl, blobs.dumps(payload), time.time(), int(bool(dedupe_key)), *fields])
         winner = winner.decode() if isinstance(winner, bytes) else str(winner)
         if winner != request_id:
@@ -107,7 +112,7 @@ class Store:
                 if record.state.terminal:
                     return record
                 await self._fresh_broker_identity()
-                return await self.lost.check(record, self.broker_run_id)
+                return await self.lost.check(record, self.broker_run_id, broker_started_at=self.broker_started_at)
             raise NotFound(f"Future {request_id} not found.")
         created = request_id_created_at(request_id)
         if created is not None and created < time.time() - self.future_ttl:
@@ -207,6 +212,16 @@ class Store:
         pipe.srem(self.keys.pool_assigned(record.queue), record.model_id)
         await pipe.execute()
 
+    async def session_models(self, session_id: str, owner: str) -> list[ModelRecord]:
+        """The owner's active models created in this session."""
+        ids = sorted(m.decode() if isinstance(m, bytes) else m
+                     for m in await self.r.smembers(self.keys.owner_models(owner)))
+        pipe = self.r.pipeline(transaction=False)
+        for model_id in ids:
+            pipe.hgetall(self.keys.model(model_id))
+        records = [ModelRecord.from_hash(raw) for raw in await pipe.execute() if raw]
+        return [m for m in records if m.session_id == session_id and m.owner == owner and m.status == "active"]
+
     async def next_model_seq(self, session_id: str) -> int:
         return int(await self.r.hincrby(self.keys.session(session_id), "model_seq", 1)) - 1
 
@@ -226,7 +241,10 @@ class Store:
     # -- sampling sessions ---------------------------------------------------------------------
 
     async def add_sampling_session(self, record: SamplingSessionRecord) -> None:
-        await self.r.hset(self.keys.sampling_session(record.sampling_session_id), mapping=record.to_hash())
+        pipe = self.r.pipeline()
+        pipe.hset(self.keys.sampling_session(record.sampling_session_id), mapping=record.to_hash())
+        pipe.sadd(self.keys.owner_sampling_sessions(record.owner), record.sampling_session_id)
+        await pipe.execute()
 
     async def sampling_session(self, sampling_session_id: str, owner: str) -> SamplingSessionRecord:
         raw = await self.r.hgetall(self.keys.sampling_session(sampling_session_id))
@@ -237,7 +255,8 @@ class Store:
 
 
 # One round trip per submit: dedupe on (scope, seq_id), take a queue ticket, store the payload and the
-# future record. KEYS: dedupe (or any key when there is no seq_id), tickets, future, blob_in, model ("" = none).
+# future record, and list it among its owner's latest 200 requests (the console's op list).
+# KEYS: dedupe (or any key when there is no seq_id), tickets, future, blob_in, model ("" = none), owner's futures.
 # ARGV: request_id, ttl, payload, now, has_dedupe, then the record's field/value pairs.
 _SUBMIT = """
 if ARGV[5] == '1' then
@@ -250,6 +269,9 @@ redis.call('HSET', KEYS[3], unpack(ARGV, 6))
 redis.call('HSET', KEYS[3], 'ticket', ticket)
 redis.call('EXPIRE', KEYS[3], ARGV[2])
 if KEYS[5] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then redis.call('HSET', KEYS[5], 'last_request_at', ARGV[4]) end
+redis.call('ZADD', KEYS[6], ARGV[4], ARGV[1])
+redis.call('ZREMRANGEBYRANK', KEYS[6], 0, -201)
+redis.call('EXPIRE', KEYS[6], ARGV[2])
 return ARGV[1]
 """
 

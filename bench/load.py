@@ -1,6 +1,7 @@
 """Many tenants at once, and one abusing its rate limit: does the abuser hurt the others?
 
     python bench/load.py [--duration 60] [--clients 50] [--rps-limit 20] [--abusers-in-flight 16]
+                         [--abuse optim|save] [--checkpoint-writes-per-key 2]
 
 Launches `twinkle-server launch` (embedded broker, 127.0.0.1 only) with the mock backend on the tiny
 model: one model pool and one sampler pool whose `queue_config` limits every API key to `--rps-limit`
@@ -8,7 +9,9 @@ requests/s. `--clients` well-behaved tenants (each its own key and model) loop o
 each waited to completion: forward_backward 40 %, optim_step 25 %, sample 25 %, retrieve of an old
 result 10 %, with `--think-ms` between ops (and obeying Retry-After if they ever get a 429). The run has
 two phases of `--duration`/2 seconds each: without, then with one abusive client that keeps
-`--abusers-in-flight` requests outstanding at all times and ignores every 429. Printed: the well-behaved
+`--abusers-in-flight` requests outstanding at all times and ignores every 429: optim_steps, or with
+`--abuse save` checkpoint saves (`save_weights`, the costliest op; `--checkpoint-writes-per-key 0` turns the
+per-key cap on outstanding saves off, to see what it prevents). Printed: the well-behaved
 clients' p50/p99 latency per phase and op, the ratio of the p99s (target: at most 2x), throughput,
 and what the abuser got through.
 """
@@ -55,12 +58,12 @@ SAMPLE = {"base_model": "tiny-qwen", "num_samples": 1, "prompt": {"chunks": [
 
 
 class Server:
-    def __init__(self, workdir: Path, model_dir: Path, rps_limit: float) -> None:
+    def __init__(self, workdir: Path, model_dir: Path, rps_limit: float, writes_per_key: int) -> None:
         self.port = free_port()
         limits = {"rps_limit": rps_limit, "window_seconds": 1}
         cfg = {
             "http_options": {"host": "127.0.0.1", "port": self.port},
-            "storage": {"checkpoint_dir": str(workdir / "ckpt")},
+            "storage": {"checkpoint_dir": str(workdir / "ckpt"), "checkpoint_writes_per_key": writes_per_key},
             "applications": [
                 {"name": "server", "route_prefix": "/api/v1", "import_path": "server", "args": {}},
                 {"name": "models-tiny", "route_prefix": "/api/v1/model/tiny", "import_path": "model",
@@ -179,15 +182,16 @@ class Tenant:
             await asyncio.sleep(self.think * (0.5 + rng.random()))
 
 
-def abuse(api: str, key: str, model: str, seconds: float, in_flight: int, counts: Any) -> None:
+def abuse(api: str, key: str, model: str, seconds: float, in_flight: int, counts: Any, mode: str) -> None:
     """Keep `in_flight` requests outstanding for `seconds` and never back off. It runs in a process of
     its own, so its client-side work does not slow the well-behaved clients' event loop: only what it
     costs the server shows in their latencies."""
 
     async def hammer(http: httpx.AsyncClient, stop: float, seen: dict[str, int]) -> None:
-        body = {"model_id": model, "adam_params": {}}
+        path, body = ("/save_weights", {"model_id": model}) if mode == "save" else \
+            ("/optim_step", {"model_id": model, "adam_params": {}})
         while time.monotonic() < stop:
-            r = await http.post("/optim_step", json=body)
+            r = await http.post(path, json=body)
             seen[str(r.status_code)] = seen.get(str(r.status_code), 0) + 1
 
     async def main() -> dict[str, int]:
@@ -201,12 +205,12 @@ def abuse(api: str, key: str, model: str, seconds: float, in_flight: int, counts
     counts.put(asyncio.run(main()))
 
 
-async def start_abuser(api: str, abuser: Tenant, run: Run, in_flight: int) -> None:
+async def start_abuser(api: str, abuser: Tenant, run: Run, in_flight: int, mode: str) -> None:
     await asyncio.sleep(run.phase_seconds)
     spawn = multiprocessing.get_context("spawn")
     counts = spawn.Queue()
     proc = spawn.Process(target=abuse, args=(api, abuser.headers["X-API-Key"], abuser.model, run.phase_seconds,
-                                             in_flight, counts))
+                                             in_flight, counts, mode))
     proc.start()
     while proc.is_alive() and counts.empty():
         await asyncio.sleep(0.2)
@@ -226,13 +230,15 @@ async def drive(api: str, ns: argparse.Namespace) -> Run:
         run.started = time.monotonic()
         rngs = [random.Random(i) for i in range(ns.clients)]
         await asyncio.gather(*(t.loop(rng) for t, rng in zip(tenants, rngs, strict=True)),
-                             start_abuser(api, abuser, run, ns.abusers_in_flight))
+                             start_abuser(api, abuser, run, ns.abusers_in_flight, ns.abuse))
         return run
 
 
 def report(run: Run, ns: argparse.Namespace) -> None:
     measured = run.phase_seconds - WARMUP_SECONDS
-    print(f"{ns.clients} clients, think {ns.think_ms} ms, rps_limit {ns.rps_limit}/s per key; "
+    print(f"{ns.clients} clients, think {ns.think_ms} ms, rps_limit {ns.rps_limit}/s per key, abuser sends "
+          f"{'save_weights' if ns.abuse == 'save' else 'optim_step'} (checkpoint writes per key: "
+          f"{ns.checkpoint_writes_per_key or 'unlimited'}); "
           f"two phases of {run.phase_seconds:g} s (first {WARMUP_SECONDS:g} s of each not measured)")
     print(f"{'op':<10} {'phase':<8} {'n':>6} {'ops/s':>7} {'p50 ms':>8} {'p99 ms':>8}")
     for op in [*MIX, "all"]:
@@ -260,12 +266,15 @@ def main() -> None:
     parser.add_argument("--think-ms", type=float, default=500, help="mean pause between a client's ops")
     parser.add_argument("--rps-limit", type=float, default=20, help="requests/s per key on each pool")
     parser.add_argument("--abusers-in-flight", type=int, default=16, help="the abuser's concurrent requests")
+    parser.add_argument("--abuse", choices=["optim", "save"], default="optim", help="what the abuser floods")
+    parser.add_argument("--checkpoint-writes-per-key", type=int, default=2,
+                        help="storage.checkpoint_writes_per_key (0 = unlimited)")
     ns = parser.parse_args()
     if ns.duration < 4 * WARMUP_SECONDS:
         parser.error(f"--duration must be at least {4 * WARMUP_SECONDS:g} s")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        server = Server(work, ensure_tiny_model(work / "tiny-qwen"), ns.rps_limit)
+        server = Server(work, ensure_tiny_model(work / "tiny-qwen"), ns.rps_limit, ns.checkpoint_writes_per_key)
         server.start()
         try:
             run = asyncio.run(drive(server.api, ns))

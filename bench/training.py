@@ -15,6 +15,13 @@
     in-process batched generation of the same requests. Target >= 0.8x. Requests join the running
     generation as they arrive; with 32 tokens each, the ~40-90 ms over which 16 SDK threads' requests reach
     the pool on 2 shared cores is a third of the in-process run, so 128 tokens is measured too.
+(d) Multi-tenant clock cycles (`--multi-tenant`, only this part runs): 1, 4 and 16 tenants, each its own
+    Tinker SDK client and adapter, each sending steps of forward_backward (4 x 128 tokens) + optim_step to
+    one pool on the small model (hidden 256, 4 layers), through a server with `clock.enabled` (fused
+    multi-tenant passes) and one without (one op at a time), in the same run. Prints aggregate trained
+    tokens/s, per-tenant step p50/p99 and the errors. Target: fused >= 2x serial at 16 tenants on CPU.
+
+        python bench/training.py --multi-tenant [--steps 4] [--tenants 1,4,16]
 """
 
 from __future__ import annotations
@@ -189,10 +196,92 @@ def sampler_rows(server: Any, model_dir: Path, n_requests: int = 16, n_adapters:
           f"through the server vs {local:7.1f} tokens/s in-process batched generate = {served / local:.2f}x")
 
 
+MT_BATCH = 4  # datums of SEQ tokens per tenant step
+
+
+def tenant_steps(base_url: str, vocab: int, tenants: int, steps: int) -> tuple[float, list[float], int]:
+    """Aggregate trained tokens/s, every tenant step's latency (ms) and the errors, for `tenants` concurrent
+    Tinker SDK clients on one pool."""
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=base_url, api_key=f"tml-bench-mt-{tenants}")
+    clients = [service.create_lora_training_client(base_model="tiny-qwen", rank=RANK, seed=k).result()
+               for k in range(tenants)]
+    rows = token_rows(vocab)
+    data = [[types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
+                         loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * SEQ})
+             for r in rows[(k % 2) * MT_BATCH:(k % 2) * MT_BATCH + MT_BATCH]] for k in range(tenants)]
+    for k, tc in enumerate(clients):  # warm up each adapter (optimizer state, first-use allocations)
+        tc.forward_backward(data[k], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+    times: list[float] = []
+    errors = [0]
+    lock = threading.Lock()
+
+    def run(k: int) -> None:
+        for _ in range(steps):
+            started = time.perf_counter()
+            try:
+                fb = clients[k].forward_backward(data[k], "cross_entropy")
+                opt = clients[k].optim_step(types.AdamParams(learning_rate=1e-4))
+                fb.result()
+                opt.result()
+            except Exception:  # noqa: BLE001 - counted and reported
+                with lock:
+                    errors[0] += 1
+                continue
+            with lock:
+                times.append((time.perf_counter() - started) * 1000)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(tenants)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    return len(times) * MT_BATCH * SEQ / wall, times, errors[0]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def multi_tenant_rows(work: Path, threads: str, steps: int, counts: list[int]) -> None:
+    """Both servers run side by side and each tenant count is measured on one right after the other, so a
+    host whose speed drifts (a shared machine) affects both alike."""
+    model_dir = ensure_tiny_model(work / "small" / "tiny-qwen", **SIZES["small"])
+    servers = {}
+    try:
+        for mode, db, clock in (("serial", 10, None), ("fused", 9, {"enabled": True, "max_ops": 2 * max(counts)})):
+            (work / mode).mkdir()
+            servers[mode] = launch(work / mode, model_dir, db=db, backend="transformers",
+                                   max_loras=max(counts) + 1, clock=clock, env={"OMP_NUM_THREADS": threads})
+        results = {(mode, count): tenant_steps(servers[mode].base_url, 512, count, steps)
+                   for count in counts for mode in ("serial", "fused")}
+    finally:
+        for server in servers.values():
+            server.stop()
+    print(f"(d) multi-tenant, small model, each tenant {steps} steps of fb {MT_BATCH}x{SEQ} + optim, rank {RANK} "
+          f"(torch threads: {threads})")
+    for count in counts:
+        line = []
+        for mode in ("serial", "fused"):
+            rate, times, errors = results[mode, count]
+            line.append(f"{mode} {rate:7.0f} tok/s, step p50 {percentile(times, 0.5):6.0f} ms "
+                        f"p99 {percentile(times, 0.99):6.0f} ms, errors {errors}")
+        ratio = results["fused", count][0] / results["serial", count][0]
+        print(f"  {count:>2} tenants: " + " | ".join(line) + f" | fused/serial {ratio:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sizes", default="tiny,small", help="model sizes for (a): tiny, small")
+    parser.add_argument("--multi-tenant", action="store_true", help="run only (d), fused vs serial clock cycles")
+    parser.add_argument("--tenants", default="1,4,16", help="tenant counts for (d)")
     ns = parser.parse_args()
     threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -200,6 +289,9 @@ def main() -> None:
     torch.set_num_threads(int(threads))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if ns.multi_tenant:
+            multi_tenant_rows(work, threads, ns.steps, [int(n) for n in ns.tenants.split(",")])
+            return
         vocab = 512
         for size in ns.sizes.split(","):
             sized = ensure_tiny_model(work / size / "tiny-qwen", **SIZES[size])  # the name the SDK asks for

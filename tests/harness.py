@@ -40,14 +40,15 @@ def mock_config(model_dir: Path, checkpoint_dir: Path, *, port: int, db: int, ba
                 server_config: dict[str, Any] | None = None, sampler: bool = False,
                 adapter_config: dict[str, Any] | None = None, max_length: int = 2048,
                 processor: bool = False, queue_config: dict[str, Any] | None = None,
-                auth: dict[str, Any] | None = None, replicas: int = 1) -> dict[str, Any]:
+                auth: dict[str, Any] | None = None, replicas: int = 1,
+                clock: dict[str, Any] | None = None) -> dict[str, Any]:
     apps: list[dict[str, Any]] = [
         {"name": "server", "route_prefix": "/api/v1", "import_path": "server",
          "args": {"server_config": server_config or {}}},
         {"name": "models-tiny", "route_prefix": "/api/v1/model/tiny-qwen", "import_path": "model",
          "args": {"backend": backend, "model_id": str(model_dir), "max_length": max_length,
                   "adapter_config": {"max_loras": max_loras, **(adapter_config or {})},
-                  "queue_config": queue_config or {}},
+                  "queue_config": queue_config or {}, **({"clock": clock} if clock else {})},
          "deployments": [{"name": "ModelManagement",
                           "autoscaling_config": {"min_replicas": replicas, "max_replicas": replicas}}]},
     ]
@@ -93,7 +94,7 @@ class LaunchedServer:
         self.redis.flushdb()
         self.config_path.write_text(yaml.safe_dump(self.config))
         log = self.log_path.open("wb")
-        env = dict(os.environ, TWINKLE_LOG_LEVEL="INFO", PYTHONUNBUFFERED="1", **self.env)
+        env = {**os.environ, "TWINKLE_LOG_LEVEL": "INFO", "PYTHONUNBUFFERED": "1", **self.env}  # self.env wins
         self.proc = subprocess.Popen([sys.executable, "-m", "twinkle.server", "launch", "-c", str(self.config_path)],
                                      stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.time() + timeout

@@ -50,8 +50,9 @@ class KeyChecker:
     """
 
     def __init__(self, key_hashes: set[str], keys_file: str | None = None, *, recheck_seconds: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._static = {h.lower() for h in key_hashes}
+                 clock: Callable[[], float] = time.monotonic, admin_hashes: set[str] | None = None) -> None:
+        self._admins = frozenset(h.lower() for h in admin_hashes or ())
+        self._static = {h.lower() for h in key_hashes} | self._admins
         self._keys_file = keys_file
         self._recheck_seconds = recheck_seconds
         self._clock = clock
@@ -98,6 +99,10 @@ class KeyChecker:
         if not self.dev_mode and hash_key(raw_key) not in self._allowed():
             raise Unauthenticated("The API key is not valid.", hint="Ask the server operator for a key.")
         return tenant_id(raw_key)
+
+    def is_admin(self, raw_key: str | None) -> bool:
+        """Whether the key is an operator's (`auth.admin_keys`); never true in development mode."""
+        return bool(raw_key) and hash_key(str(raw_key)) in self._admins
 
 
 def key_from_headers(x_api_key: str | None, authorization: str | None) -> str | None:

@@ -10,9 +10,17 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+from twinkle.errors import InvalidRequest
+
 
 def dumps(value: Any) -> bytes:
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    # The pickler recurses once per nesting level, bounded by the interpreter's recursion limit; the API
+    # refuses JSON nested deeper than 64 levels, so reaching that limit means a payload built elsewhere.
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except RecursionError as exc:
+        raise InvalidRequest("The payload nests too deeply to be stored.",
+                             hint="Flatten the nested lists and objects of the request.") from exc
 
 
 def loads(data: bytes) -> Any:

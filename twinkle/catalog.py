@@ -53,6 +53,7 @@ class ServedModel:
     sampler_queue: str | None = None
     max_length: int | None = None
     backend: str = ""
+    max_loras: int = 0  # LoRA slots per model replica
 
     @property
     def trainable(self) -> bool:
@@ -72,6 +73,7 @@ class Catalog:
             served.model_queues = [model_queue(app.name, i) for i in range(replicas)]
             served.max_length = app.args.max_length
             served.backend = app.args.backend
+            served.max_loras = app.args.adapter_config.max_loras
         for app in config.sampler_apps():
             served = self._entry(app.args.model_id, getattr(app.args, "served_model_name", None))
             served.sampler_app = app.name
@@ -91,6 +93,10 @@ class Catalog:
                 return served
         names = ", ".join(sorted(self.models)) or "(none)"
         raise InvalidRequest(f"Base model {base_model!r} is not served here.", hint=f"Served models: {names}.")
+
+    def slots(self, queue: str) -> int:
+        """The LoRA slots of the model replica behind `queue` (0: not a model queue)."""
+        return next((m.max_loras for m in self.models.values() if queue in m.model_queues), 0)
 
     def by_app(self, app_name: str) -> ServedModel | None:
         return next((m for m in self.models.values() if app_name in (m.model_app, m.sampler_app)), None)

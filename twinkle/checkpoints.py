@@ -1,6 +1,6 @@
 """Checkpoint paths and atomic checkpoint directories.
 
-On disk: `<checkpoint_dir>/<tenant>/<run_id>/<weights|sampler_weights>/<name>/`. A checkpoint is
+On disk: `<checkpoint_dir>/<tenant>/<run_id>/<weights|sampler_weights|external_weights>/<name>/`. A checkpoint is
 written into a hidden temp directory next to its final place, its metadata file is written last, and
 the directory is renamed into place, so a reader never sees half a checkpoint. Names are never
 reused: a sampler snapshot path keeps meaning the weights it was first written with.
@@ -11,20 +11,25 @@ are accepted everywhere and resolve inside the caller's own tenant directory onl
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from twinkle.errors import InvalidRequest, NotFound
+from twinkle.errors import InvalidRequest, NotFound, StorageFailure
 
-Kind = Literal["weights", "sampler_weights"]
-CHECKPOINT_TYPES: dict[str, str] = {"weights": "training", "sampler_weights": "sampler"}
+# external_weights: the PEFT adapter files alone (maybe age-encrypted), made to be downloaded
+Kind = Literal["weights", "sampler_weights", "external_weights"]
+CHECKPOINT_TYPES: dict[str, str] = {"weights": "training", "sampler_weights": "sampler",
+                                    "external_weights": "external"}
 METADATA_FILE = "checkpoint_metadata.json"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:=+-]{0,199}$")
 SCHEMES = ("tinker://", "twinkle://")
@@ -49,7 +54,7 @@ class CheckpointRef:
 
 
 def validate_name(name: str, what: str = "checkpoint name") -> str:
-    if not _NAME.match(name) or ".." in name:
+    if not _NAME.fullmatch(name) or ".." in name:  # fullmatch: `$` alone lets a trailing newline in
         raise InvalidRequest(
             f"Invalid {what} {name!r}.",
             hint="Use 1-200 letters, digits and . _ - : = + (no '/', no '..', not starting with '.').",
@@ -69,12 +74,27 @@ def parse_checkpoint_path(path: str) -> CheckpointRef:
     if len(parts) != 3 or parts[1] not in CHECKPOINT_TYPES:
         raise InvalidRequest(
             f"Malformed checkpoint path {path!r}.",
-            hint="Expected <scheme>://<run_id>/<weights|sampler_weights>/<name>.",
+            hint="Expected <scheme>://<run_id>/<weights|sampler_weights|external_weights>/<name>.",
         )
     run_id, kind, name = parts
     validate_name(run_id, "run id")
     validate_name(name)
     return CheckpointRef(run_id, kind, name)  # type: ignore[arg-type]
+
+
+def index_entry(ref: CheckpointRef, metadata: dict[str, Any], ttl_seconds: int | None) -> dict[str, Any]:
+    """The RestClient's `Checkpoint` for a committed checkpoint, as the index in Redis keeps it."""
+    now = time.time()
+    return {
+        "checkpoint_id": ref.checkpoint_id,
+        "checkpoint_type": ref.checkpoint_type,
+        "time": datetime.fromtimestamp(now, UTC).isoformat(),
+        "tinker_path": ref.uri(),
+        "size_bytes": metadata.get("size_bytes"),
+        "public": False,
+        "user_metadata": metadata.get("user_metadata") or None,
+        "expires_at": datetime.fromtimestamp(now + ttl_seconds, UTC).isoformat() if ttl_seconds else None,
+    }
 
 
 def new_checkpoint_name(prefix: str = "ckpt") -> str:
@@ -102,7 +122,7 @@ class CheckpointStore:
     def existing(self, owner: str, ref: CheckpointRef) -> Path:
         """The directory of a committed checkpoint of this tenant, or NotFound."""
         final = self.path_of(owner, ref)
-        if final.is_symlink() or not (final / METADATA_FILE).is_file():
+        if final.is_symlink() or not _plain_file(final / METADATA_FILE):
             raise NotFound(
                 f"Checkpoint {ref.uri()} not found.",
                 hint="List your checkpoints with the RestClient (list_checkpoints) to see valid paths.",
@@ -110,7 +130,7 @@ class CheckpointStore:
         return final
 
     def exists(self, owner: str, ref: CheckpointRef) -> bool:
-        return (self.path_of(owner, ref) / METADATA_FILE).is_file()
+        return _plain_file(self.path_of(owner, ref) / METADATA_FILE)
 
     def begin(self, owner: str, ref: CheckpointRef) -> Path:
         """A fresh temp directory to write a checkpoint into before `commit`."""
@@ -127,7 +147,7 @@ class CheckpointStore:
         metadata = dict(metadata, size_bytes=_size_of(tmp))
         _write_json_atomic(tmp / METADATA_FILE, metadata)
         if final.exists():
-            if not overwrite or ref.kind == "sampler_weights":
+            if not overwrite or ref.kind != "weights":
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise InvalidRequest(
                     f"Checkpoint {ref.uri()} already exists.",
@@ -152,8 +172,67 @@ class CheckpointStore:
         shutil.rmtree(trash, ignore_errors=True)
 
     def metadata(self, owner: str, ref: CheckpointRef) -> dict[str, Any]:
-        result: dict[str, Any] = json.loads((self.existing(owner, ref) / METADATA_FILE).read_text())
+        path = self.existing(owner, ref) / METADATA_FILE
+        try:  # O_NOFOLLOW: a symlink planted after the check above is refused, not followed
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), encoding="utf-8") as f:
+                result: dict[str, Any] = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise NotFound(f"Checkpoint {ref.uri()} not found.") from exc
         return result
+
+
+def _plain_file(path: Path) -> bool:
+    """A regular file, not a symlink to one: metadata must never lead outside its checkpoint."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+_STORAGE_PROBLEMS = {
+    errno.ENOSPC: ("is full (no space left on device)", "free space under storage.checkpoint_dir"),
+    errno.EDQUOT: ("is over its disk quota", "raise the quota or free space under storage.checkpoint_dir"),
+    errno.EROFS: ("is read-only", "remount storage.checkpoint_dir read-write"),
+    errno.EACCES: ("refuses the server access (permission denied)",
+                   "give the server's user write access to storage.checkpoint_dir"),
+    errno.EPERM: ("refuses the server access (operation not permitted)",
+                  "give the server's user write access to storage.checkpoint_dir"),
+    errno.EIO: ("failed with an I/O error", "check the disk behind storage.checkpoint_dir"),
+}
+
+
+def storage_failure(exc: BaseException) -> StorageFailure | None:
+    """What a full, read-only or inaccessible checkpoint disk means for the user, or None for other errors.
+    The message names the condition, never the server's paths."""
+    code = _storage_errno(exc)
+    if code is None:
+        return None
+    condition, fix = _STORAGE_PROBLEMS[code]
+    return StorageFailure(f"The server's checkpoint storage {condition}, so the checkpoint could not be written "
+                          "or read.", hint=f"Nothing is wrong with your request: ask the operator to {fix}, "
+                          "then retry.",
+                          errno=errno.errorcode.get(code, ""))
+
+
+# Writers that are not Python file objects report the errno only in their message: safetensors
+# ("Os { code: 28, kind: StorageFull ... }"), torch.save ("file write failed"), numpy through zipfile.
+_MESSAGES = {"No space left on device": errno.ENOSPC, "StorageFull": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+             "Read-only file system": errno.EROFS, "ReadOnlyFilesystem": errno.EROFS}
+
+
+def _storage_errno(exc: BaseException) -> int | None:
+    seen: BaseException | None = exc
+    for _ in range(8):  # the exception and what it was raised from
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in _STORAGE_PROBLEMS:
+            return int(seen.errno)
+        text = str(seen)
+        for fragment, code in _MESSAGES.items():
+            if fragment in text:
+                return code
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _size_of(directory: Path) -> int:

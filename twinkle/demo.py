@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import yaml
 from twinkle.tiny_model import ensure_tiny_model
 
 PROMPT = "Twinkle, twinkle, little star, how I wonder what you are."
+DEFAULT_WORKDIR = "outputs/demo"  # under the repository's ignored outputs/ when run from its root
 
 
 def free_port() -> int:
@@ -46,7 +46,7 @@ def write_config(workdir: Path, model_dir: Path, backend: str, port: int) -> Pat
     return path
 
 
-def launch(config: Path, log: Path) -> subprocess.Popen[bytes]:
+def launch(config: Path, log: Path, port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen([sys.executable, "-m", "twinkle.server", "launch", "-c", str(config)],
                             stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, TWINKLE_LOG_LEVEL="WARNING"))
@@ -55,7 +55,7 @@ def launch(config: Path, log: Path) -> subprocess.Popen[bytes]:
         if proc.poll() is not None or time.time() - started > 300:
             raise SystemExit("the server did not start:\n" + log.read_text(errors="replace"))
         time.sleep(0.2)
-    print(f"server ready in {time.time() - started:.1f} s (log: {log})")
+    print(f"server ready on http://127.0.0.1:{port} in {time.time() - started:.1f} s (log: {log})")
     return proc
 
 
@@ -92,20 +92,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["transformers", "mock"], default="transformers")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--workdir", help="keep the model, config, checkpoints and log here")
+    parser.add_argument("--workdir", default=DEFAULT_WORKDIR,
+                        help=f"where the model, config, checkpoints and server log stay (default: {DEFAULT_WORKDIR})")
     ns = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(ns.workdir or tmp).resolve()
-        workdir.mkdir(parents=True, exist_ok=True)
-        model_dir = ensure_tiny_model(workdir / "tiny-qwen")
-        port = free_port()
-        proc = launch(write_config(workdir, model_dir, ns.backend, port), workdir / "server.log")
-        try:
-            train(f"http://127.0.0.1:{port}", model_dir, ns.steps)
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-            print("server stopped")
+    workdir = Path(ns.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_tiny_model(workdir / "tiny-qwen")  # built once, reused by later runs
+    port = free_port()
+    log = workdir / "server.log"
+    proc = launch(write_config(workdir, model_dir, ns.backend, port), log, port)
+    try:
+        train(f"http://127.0.0.1:{port}", model_dir, ns.steps)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        print(f"server stopped; its log stays in {log}")
 
 
 if __name__ == "__main__":

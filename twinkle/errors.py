@@ -13,7 +13,8 @@
     └── ServerError                   Twinkle or its infrastructure failed (HTTP 5xx, category "server")
         ├── AdapterStateLost          a worker crashed and the adapter's in-memory state is gone
         ├── BrokerUnavailable         Redis/Valkey cannot be reached (503)
-        └── BackendFailure            the model backend raised unexpectedly
+        ├── BackendFailure            the model backend raised unexpectedly
+        └── StorageFailure            the checkpoint disk is full, read-only or not writable (507)
 
 Errors cross process boundaries (Celery, Redis blobs), so each one pickles with its fields intact.
 """
@@ -82,6 +83,13 @@ class NotFound(UserError):
     code = "not_found"
 
 
+class Forbidden(UserError):
+    """Raised for a signed download URL that is expired, altered or signed for someone else."""
+
+    status_code = 403
+    code = "forbidden"
+
+
 class Expired(UserError):
     """Raised for a future or resource whose retention period has passed."""
 
@@ -138,6 +146,25 @@ class BackendFailure(ServerError):
     """Raised when a backend op fails for a reason that is not the caller's input."""
 
     code = "backend_failure"
+
+
+class StorageFailure(ServerError):
+    """Raised when the checkpoint disk is full, read-only or refuses access: the operator's to fix (507)."""
+
+    status_code = 507
+    code = "storage_unavailable"
+
+
+class OpTimedOut(BackendFailure):
+    """Raised when an op ran past its pool's execution_timeout, or its worker froze while running it."""
+
+    code = "execution_timeout"
+
+
+class QueueTimedOut(ServerError):
+    """Raised when an op waited in its pool's queue longer than queue_timeout and was not run."""
+
+    code = "queue_timeout"
 
 
 def lost_state_error(model_id: str, last_checkpoint: str | None) -> AdapterStateLost:

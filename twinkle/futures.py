@@ -35,6 +35,7 @@ class Op(StrEnum):
     SAVE_STATE = "save_state"
     LOAD_STATE = "load_state"
     SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
+    SAVE_WEIGHTS_EXTERNAL = "save_weights_external"
     SAMPLE = "sample"
     UNLOAD_MODEL = "unload_model"
     # Twinkle-native: the adapter's server-side training configuration and loop

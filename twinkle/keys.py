@@ -30,8 +30,16 @@ class Keys:
     def done_channel(self, request_id: str) -> str:
         return f"{self.root}done:{request_id}"
 
+    def sample_stream(self, token: str) -> str:
+        """Pub/sub channel a sampler pool publishes a streamed request's new tokens on (OpenAI streaming)."""
+        return f"{self.root}stream:{token}"
+
     def dedupe(self, model_id: str, seq_id: int) -> str:
         return f"{self.root}dedupe:{model_id}:{seq_id}"
+
+    def stability(self, request_id: str) -> str:
+        """Hash recording a sample request made with record_stability_info (api.provenance), one day."""
+        return f"{self.root}stability:{request_id}"
 
     def idempotency(self, owner: str, key: str) -> str:
         return f"{self.root}idem:{owner}:{key}"
@@ -69,11 +77,32 @@ class Keys:
     def owner_sessions(self, owner: str) -> str:
         return f"{self.root}owner:{owner}:sessions"
 
+    def owner_sampling_sessions(self, owner: str) -> str:
+        """Set of one tenant's sampling session ids (the console lists them)."""
+        return f"{self.root}owner:{owner}:sampling"
+
+    def owner_futures(self, owner: str) -> str:
+        """Sorted set of one tenant's most recent request ids, scored by submit time (the console's op list)."""
+        return f"{self.root}owner:{owner}:futures"
+
+    def run_metrics(self, run_id: str) -> str:
+        """List of `<step> <json>` entries: each op's metrics on one training run, newest last, bounded."""
+        return f"{self.root}run:{run_id}:metrics"
+
+    def recent_errors(self) -> str:
+        """List of JSON entries of the most recent failed ops, newest first, bounded (the admin console)."""
+        return f"{self.root}errors:recent"
+
     # admission control
     def rate_window(self, owner: str, app: str, what: str) -> str:
         """Sorted set of one tenant's recent admitted requests (`what`="requests") or their input token
         counts ("tokens") on one pool, scored by time: the sliding window of api/ratelimit.py."""
         return f"{self.root}rate:{owner}:{app}:{what}"
+
+    def checkpoint_writes(self, owner: str) -> str:
+        """Sorted set of one tenant's outstanding checkpoint saves (request ids by submit time): the
+        concurrency cap of api/checkpoint_writes.py."""
+        return f"{self.root}checkpoint_writes:{owner}"
 
     def rate_rejections(self) -> str:
         """Hash `<app>:<reason>` -> number of requests admission control refused."""
@@ -84,8 +113,12 @@ class Keys:
         return f"{self.root}pool:{queue}:heartbeat"
 
     def pool_adapters(self, queue: str) -> str:
-        """Set of the adapters a model pool holds in memory now (its used LoRA slots)."""
+        """Set of the adapters a model pool holds in its LoRA slots now (paged-out ones are not in it)."""
         return f"{self.root}pool:{queue}:adapters"
+
+    def pool_paging(self, queue: str) -> str:
+        """Hash of a model pool's paging counters (backends.paging.PagingStats), refreshed after each op."""
+        return f"{self.root}pool:{queue}:paging"
 
     def pool_assigned(self, queue: str) -> str:
         """Set of active models pinned to a pool replica (assigned at create, removed at unload)."""

@@ -13,6 +13,7 @@ from enum import IntEnum
 class PoolExit(IntEnum):
     RANK_DIED = 75  #: a rank actor of the pool's Ray device group died
     HUNG = 76  #: an op ran past queue_config.execution_timeout
+    START_FAILED = 77  #: it could not start (its model did not load, ...); the cause is in its cause file
 
     @property
     def reason(self) -> str:
@@ -22,6 +23,7 @@ class PoolExit(IntEnum):
 _REASONS = {
     PoolExit.RANK_DIED: "a rank of its Ray device group died",
     PoolExit.HUNG: "an op ran past its execution_timeout",
+    PoolExit.START_FAILED: "it failed to start",
 }
 
 

@@ -97,6 +97,7 @@ class ModelRecord(HashRecord):
     last_sampler_checkpoint: str = ""
     user_metadata: dict[str, Any] = field(default_factory=dict)
     ops_executed: int = 0  # incremented by the pool as each op starts
+    steps: int = 0  # optimizer steps taken, counted by twinkle.run_metrics as each one finishes
 
 
 @dataclass

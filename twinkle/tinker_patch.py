@@ -6,7 +6,9 @@ the SDK's own code:
 
 - `TWINKLE_SERVER_URL` becomes the default base URL and `TWINKLE_SERVER_TOKEN` the default key;
 - keys without the `tml-` prefix are accepted (Twinkle keys are free-form);
-- `twinkle://` checkpoint paths are accepted wherever the SDK parses `tinker://` paths.
+- `twinkle://` checkpoint paths are accepted wherever the SDK parses `tinker://` paths;
+- `get_tokenizer()` loads the tokenizer files the server serves (twinkle.tokenizer_cache) before it
+  tries the hub, so a client machine without hub access gets the server's tokenizer.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from contextvars import ContextVar
 from typing import Any
 
 TWINKLE_SCHEME = "twinkle://"
@@ -39,6 +42,7 @@ def init_tinker_client(base_url: str | None = None, api_key: str | None = None) 
         return
     _accept_any_key()
     _accept_twinkle_paths()
+    _load_served_tokenizers()
     _PATCHED = True
 
 
@@ -77,3 +81,49 @@ def _accept_twinkle_paths() -> None:
         return await create(self, as_tinker_path(model_path), base_model)
 
     InternalClientHolder._create_sampling_session = _create_sampling_session  # type: ignore[method-assign]
+
+
+# The server of the client whose get_tokenizer() is running: the SDK's loader is a module-level function.
+_TOKENIZER_SERVER: ContextVar[tuple[str, str | None] | None] = ContextVar("twinkle_tokenizer_server", default=None)
+
+
+def _load_served_tokenizers() -> None:
+    from tinker.lib.public_interfaces import sampling_client, training_client
+
+    original = sampling_client._load_tokenizer_from_model_info
+
+    @functools.lru_cache(maxsize=32)
+    def from_server(model_name: str, tokenizer_id: str | None, server: tuple[str, str | None] | None) -> Any:
+        from twinkle.tokenizer_cache import fetch_tokenizer_files
+
+        wanted = tokenizer_id or model_name.split(":")[0]
+        if not os.path.isdir(wanted):  # a directory on this machine (client and server share it) loads as is
+            base_url, api_key = server or (None, None)
+            directory = fetch_tokenizer_files(wanted, base_url=base_url, api_key=api_key)
+            if directory is not None:
+                from transformers import AutoTokenizer
+
+                return AutoTokenizer.from_pretrained(directory)
+        return original(model_name, tokenizer_id)
+
+    def load(model_name: str, tokenizer_id: str | None = None) -> Any:
+        return from_server(model_name, tokenizer_id, _TOKENIZER_SERVER.get())
+
+    sampling_client._load_tokenizer_from_model_info = load  # type: ignore[assignment]
+    training_client._load_tokenizer_from_model_info = load  # type: ignore[assignment]
+    for cls in (sampling_client.SamplingClient, training_client.TrainingClient):
+        cls.get_tokenizer = _with_server(cls.get_tokenizer)  # type: ignore[method-assign]
+
+
+def _with_server(get_tokenizer: Any) -> Any:
+    @functools.wraps(get_tokenizer)
+    def wrapper(self: Any) -> Any:
+        holder = getattr(self, "holder", None)
+        base_url = getattr(holder, "_base_url", None)
+        token = _TOKENIZER_SERVER.set((base_url, getattr(holder, "_api_key", None)) if base_url else None)
+        try:
+            return get_tokenizer(self)
+        finally:
+            _TOKENIZER_SERVER.reset(token)
+
+    return wrapper

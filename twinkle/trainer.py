@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from twinkle.errors import InvalidRequest
+from twinkle.hyperparameters import check_adam_params
 from twinkle.types import AdamParams
 
 # Twinkle class names and Tinker names, to the backend's loss names.
@@ -103,6 +104,11 @@ class TrainConfig:
                 setattr(updated, key, value)
             else:
                 raise InvalidRequest(f"Unknown training setting {key!r}.")
+        try:  # refuse lr=1e308 (or "abc") now rather than at the first step
+            first_step = adam_params(updated, 0, None)
+        except (TypeError, ValueError, IndexError, ZeroDivisionError) as exc:
+            raise InvalidRequest(f"The optimizer settings do not make a learning rate: {exc}.") from exc
+        check_adam_params(first_step, "optimizer")
         self.__dict__.update(updated.__dict__)
 
     @property

@@ -144,6 +144,7 @@ class SampleRequest:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     adapter_path: str | None = None
+    stream_channel: str | None = None  # set by the API only: a sampler pool publishes tokens there as they come
 
 
 @dataclass
@@ -175,16 +176,17 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class SaveRequest:
-    """save_state / save_weights_for_sampler as the API hands it to a pool."""
+    """save_state / save_weights_for_sampler / save_weights_external as the API hands it to a pool."""
 
     name: str
-    kind: Literal["weights", "sampler_weights"]
+    kind: Literal["weights", "sampler_weights", "external_weights"]
     include_optimizer: bool = True
     overwrite: bool = False
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] = field(default_factory=dict)
     sampling_session_id: str | None = None  # unnamed sampler save: the session to create
     consumed_train_samples: int | None = None  # Twinkle save(): recorded with the trainer state
+    age_recipients: tuple[str, ...] = ()  # save_weights_external: encrypt every file to these (age)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -31,8 +32,12 @@ class SampleBatcher:
         self.batches = 0
         threading.Thread(target=self._run, name="sample-batcher", daemon=True).start()
 
-    def sample(self, request: SampleRequest) -> SampleOutput:
+    def sample(self, request: SampleRequest, progress: Callable[[list[list[int]]], None] | None = None
+               ) -> SampleOutput:
+        """`progress`, when given, gets each sample's tokens so far between decode steps (samplers with `serve`)."""
         done: Future[SampleOutput] = Future()
+        if progress is not None:
+            done.progress = progress  # type: ignore[attr-defined]  # read by the sampler's serve loop
         with self._cond:
             self._pending.append((request, done))
             self._cond.notify()

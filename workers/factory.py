@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from twinkle.backends import BACKENDS, DEFAULT_SAMPLER_FOR_BACKEND, SAMPLERS, resolve
+from twinkle.backends.paging import MIB, PagingBudget
 from twinkle.catalog import strip_scheme
 from twinkle.config.parallelism import needs_ray
 
@@ -25,11 +26,19 @@ def build_model_backend(args: Any, sampler_factory: Any = None) -> Any:
     cls = resolve(BACKENDS, args.backend, "backend")
     max_loras = args.adapter_config.max_loras
     if args.backend == "mock":
-        return cls(_mock_source(args.model_id), max_loras=max_loras, max_length=args.max_length)
-    if args.backend == "megatron":
+        return cls(_mock_source(args.model_id), max_loras=max_loras, max_length=args.max_length,
+                   paging=paging_budget(args.adapter_config))
+    if args.backend == "megatron":  # no paging yet: max_loras is a hard limit there
         return cls(args.model_id, torch_dtype=args.torch_dtype, max_loras=max_loras, max_length=args.max_length,
                    device_mesh=args.device_mesh, sampler_factory=sampler_factory)
-    return cls(args.model_id, torch_dtype=args.torch_dtype, max_loras=max_loras, max_length=args.max_length)
+    return cls(args.model_id, torch_dtype=args.torch_dtype, max_loras=max_loras, max_length=args.max_length,
+               paging=paging_budget(args.adapter_config))
+
+
+def paging_budget(adapters: Any) -> PagingBudget:
+    """Where adapters beyond the LoRA slots go (backends.paging)."""
+    return PagingBudget(host_bytes=adapters.page_host_mb * MIB, disk_bytes=adapters.page_disk_mb * MIB,
+                        directory=adapters.page_dir)
 
 
 def build_model_pool(config: Any, app: Any, replica: int) -> tuple[Any, Any]:

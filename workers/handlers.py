@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
-from datetime import UTC, datetime
 from typing import Any
 
 import redis
 
 from twinkle.backends.base import ModelBackend, SamplerBackend
-from twinkle.checkpoints import CheckpointRef, CheckpointStore, parse_checkpoint_path
+from twinkle.checkpoints import CheckpointRef, CheckpointStore, index_entry, parse_checkpoint_path
+from twinkle.encryption import encrypt_directory
 from twinkle.errors import InvalidRequest
 from twinkle.futures import FutureRecord, Op
 from twinkle.keys import Keys
@@ -28,6 +28,8 @@ from twinkle.types import (
     lora_spec_from_dict,
 )
 from workers.batcher import SampleBatcher
+from workers.residency import SlotResidency
+from workers.token_stream import token_publisher
 from workers.twinkle_ops import TwinkleOps
 
 
@@ -39,21 +41,12 @@ class CheckpointIndex:
         self.keys = keys
 
     def record(self, ref: CheckpointRef, metadata: dict[str, Any], ttl_seconds: int | None) -> None:
-        now = time.time()
-        entry = {
-            "checkpoint_id": ref.checkpoint_id,
-            "checkpoint_type": ref.checkpoint_type,
-            "time": datetime.fromtimestamp(now, UTC).isoformat(),
-            "tinker_path": ref.uri(),
-            "size_bytes": metadata.get("size_bytes"),
-            "public": False,
-            "user_metadata": metadata.get("user_metadata") or None,
-            "expires_at": datetime.fromtimestamp(now + ttl_seconds, UTC).isoformat() if ttl_seconds else None,
-        }
-        field = "last_checkpoint" if ref.kind == "weights" else "last_sampler_checkpoint"
+        entry = index_entry(ref, metadata, ttl_seconds)
+        field = {"weights": "last_checkpoint", "sampler_weights": "last_sampler_checkpoint"}.get(ref.kind)
         pipe = self.r.pipeline()
         pipe.hset(self.keys.checkpoints(ref.run_id), ref.checkpoint_id, json.dumps(entry))
-        pipe.hset(self.keys.model(ref.run_id), field, ref.uri())
+        if field:  # an external export is neither the run's resume point nor its sampler
+            pipe.hset(self.keys.model(ref.run_id), field, ref.uri())
         pipe.execute()
 
 
@@ -68,10 +61,10 @@ class ModelPoolHandlers:
         self.index = CheckpointIndex(r, keys)
         self.r = r
         self.keys = keys
-        self.live_adapters: set[str] = set()
+        self.live_adapters: set[str] = set()  # resident in a LoRA slot or paged out (backends.paging)
         self.twinkle = TwinkleOps(self)
         self.queue = queue
-        r.delete(keys.pool_adapters(queue))  # a (re)started pool holds nothing yet
+        self.residency = SlotResidency(r, keys, queue, backend, lambda: self.live_adapters)
 
     def adapter_ids(self) -> list[str]:
         return sorted(self.live_adapters)
@@ -79,14 +72,17 @@ class ModelPoolHandlers:
     def drop_adapter(self, adapter_id: str) -> None:
         self.backend.remove_adapter(adapter_id)
         self.live_adapters.discard(adapter_id)
-        self.r.srem(self.keys.pool_adapters(self.queue), adapter_id)
+        self.residency.publish()
         self.twinkle.forget(adapter_id)
 
     def _hold(self, adapter_id: str) -> None:
         self.live_adapters.add(adapter_id)
-        self.r.sadd(self.keys.pool_adapters(self.queue), adapter_id)
+        self.residency.publish()
 
     def table(self) -> dict[str, Any]:
+        return {op: self.residency.after(handler) for op, handler in self._ops().items()}
+
+    def _ops(self) -> dict[str, Any]:
         return {
             Op.CREATE_MODEL: self.create_model,
             Op.FORWARD: self.forward,
@@ -94,6 +90,7 @@ class ModelPoolHandlers:
             Op.OPTIM_STEP: self.optim_step,
             Op.SAVE_STATE: self.save,
             Op.SAVE_WEIGHTS_FOR_SAMPLER: self.save,
+            Op.SAVE_WEIGHTS_EXTERNAL: self.save,
             Op.LOAD_STATE: self.load_state,
             Op.SAMPLE: self.sample,
             Op.UNLOAD_MODEL: self.unload_model,
@@ -132,6 +129,8 @@ class ModelPoolHandlers:
                 self.twinkle.write_trainer_state(rec.model_id, tmp, req.consumed_train_samples)
             else:
                 self.backend.save_weights_for_sampler(rec.model_id, tmp)
+            if req.age_recipients:
+                encrypt_directory(tmp, req.age_recipients)
             model = self._model(rec.model_id)
             metadata = self.store.commit(rec.owner, ref, tmp, {
                 "checkpoint_id": ref.checkpoint_id,
@@ -150,6 +149,8 @@ class ModelPoolHandlers:
             raise
         self.index.record(ref, metadata, req.ttl_seconds)
         result: dict[str, Any] = {"path": ref.uri()}
+        if ref.kind == "external_weights":
+            result["size_bytes"] = metadata.get("size_bytes")
         if req.sampling_session_id:
             self._create_sampling_session(rec, req.sampling_session_id, ref)
             result["sampling_session_id"] = req.sampling_session_id
@@ -162,7 +163,10 @@ class ModelPoolHandlers:
             session_id=model.session_id if model else "", base_model=model.base_model if model else "",
             queue=rec.queue, model_path=ref.uri(), created_at=time.time(),
         )
-        self.r.hset(self.keys.sampling_session(sampling_session_id), mapping=session.to_hash())
+        pipe = self.r.pipeline()
+        pipe.hset(self.keys.sampling_session(sampling_session_id), mapping=session.to_hash())
+        pipe.sadd(self.keys.owner_sampling_sessions(rec.owner), sampling_session_id)
+        pipe.execute()
 
     def load_state(self, rec: FutureRecord, req: LoadRequest) -> dict[str, Any]:
         ref = parse_checkpoint_path(req.path)
@@ -171,7 +175,7 @@ class ModelPoolHandlers:
             raise InvalidRequest("Sampler checkpoints hold no optimizer state.",
                                  hint="Load a training checkpoint (…/weights/<name>) to restore the optimizer.")
         if not self.backend.has_adapter(rec.model_id):
-            metadata = json.loads((directory / "checkpoint_metadata.json").read_text())
+            metadata = self.store.metadata(req.owner, ref)  # never through a symlink
             spec = req.lora or lora_spec_from_dict(metadata.get("lora") or {})
             self.backend.create_adapter(rec.model_id, spec)
             self._hold(rec.model_id)
@@ -211,14 +215,17 @@ class ModelPoolHandlers:
 class SamplerPoolHandlers:
     """A sampler pool serves several sample tasks at once through one batcher."""
 
-    def __init__(self, sampler: SamplerBackend, max_batch: int) -> None:
+    def __init__(self, sampler: SamplerBackend, max_batch: int, r: redis.Redis | None = None) -> None:
         self.batcher = SampleBatcher(sampler, max_batch)
+        self.r = r  # publishes the tokens of streamed requests as they are generated
 
     def table(self) -> dict[str, Any]:
         return {Op.SAMPLE: self.sample}
 
     def sample(self, rec: FutureRecord, req: SampleRequest) -> SampleOutput:
-        out = self.batcher.sample(req)
+        stream = getattr(req, "stream_channel", None)  # payloads queued before the field existed lack it
+        progress = token_publisher(self.r, stream) if stream and self.r is not None else None
+        out = self.batcher.sample(req, progress)
         out.prompt_length = out.prompt_length or input_length(req.prompt)
         return out
 

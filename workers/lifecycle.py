@@ -2,7 +2,9 @@
 
 An adapter is idle when neither its session heartbeated nor a request reached it for
 `adapter_timeout` seconds; it expires regardless after `adapter_max_lifetime`. Unloading frees the
-LoRA slot and the owner's model quota at once; ops still queued for it fail with the reason.
+LoRA slot and the owner's model quota at once; ops still queued for it fail with the reason. An adapter
+the API already released (its session finished, or it was unloaded) is dropped on the next sweep, without
+waiting for the unload op behind whatever is queued.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ class AdapterReaper:
                 log.warning("unloaded adapter %s: its record is gone from the broker", adapter_id)
                 continue
             model = ModelRecord.from_hash(raw)
+            if model.status != "active":  # released by the API (session finished, unloaded): free it now
+                with self.lock:
+                    self.remove(adapter_id)
+                expired.append(adapter_id)
+                log.info("dropped adapter %s: %s", adapter_id, model.unload_reason or "unloaded")
+                continue
             reason = self.expiry_reason(model, now)
             if reason is None:
                 continue

@@ -13,29 +13,35 @@ import sys
 import threading
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
+from celery.signals import task_received
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from twinkle import liveness
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.celery_app import make_celery, task_name
 from twinkle.checkpoints import CheckpointStore
 from twinkle.config import load_config
 from twinkle.futures import Op
 from twinkle.keys import Keys
+from twinkle.pool_exit import PoolExit
+from twinkle.server import startup, verbosity
 from twinkle.telemetry import op_span, setup_worker_telemetry
 from workers import processor
 from workers.factory import build_model_pool, build_sampler
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
 from workers.lifecycle import AdapterReaper
+from workers.orphans import OrphanSweep
 from workers.runtime import PoolRuntime
 from workers.snapshots import AdapterSnapshots
 from workers.watchdog import Watchdog
 
 log = logging.getLogger("twinkle.worker")
 HEARTBEAT_SECONDS = 2.0
+STARTED_AT = time.time()  # this worker process's start
 BROKER_RETRIES = 30
 
 
@@ -66,7 +72,9 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
         backend, sampler = build_model_pool(config, app, replica)  # in process, or on a Ray device group
         model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys, queue)
         runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=ttl,
-                              has_adapter=backend.has_adapter)
+                              has_adapter=backend.has_adapter, queue_timeout=queue_timeout(args))
+        if args.clock.enabled:
+            runtime.use_clock(backend, args.clock, after_fused=model_handlers.residency.publish)
         adapters = args.adapter_config
         reaper = AdapterReaper(r, keys, adapter_ids=model_handlers.adapter_ids, remove=model_handlers.drop_adapter,
                                lock=runtime.lock, adapter_timeout=adapters.adapter_timeout,
@@ -80,8 +88,8 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
     elif app.import_path == "sampler":
         sampler = build_sampler(args.model_id, args.sampler_type, max_loras=args.adapter_config.max_loras,
                                 engine_args=args.engine_args)
-        runtime = PoolRuntime(r, keys, queue, SamplerPoolHandlers(sampler, sampler_slots(args)).table(),
-                              future_ttl=ttl, serialize=False)
+        runtime = PoolRuntime(r, keys, queue, SamplerPoolHandlers(sampler, sampler_slots(args), r).table(),
+                              future_ttl=ttl, serialize=False, queue_timeout=queue_timeout(args))
         info = sampler.info
     elif app.import_path == "processor":
         processor.warm_up()
@@ -96,30 +104,64 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
     return runtime
 
 
+def queue_timeout(args: Any) -> float:
+    queue_config = getattr(args, "queue_config", None)
+    return float(queue_config.queue_timeout) if queue_config is not None else 0.0
+
+
 def sampler_slots(args: Any) -> int:
     """How many sample requests a sampler pool batches together."""
     engine = getattr(args, "engine_args", None) or {}
     return int(engine.get("max_num_seqs") or 16)  # vLLM's name for its batch size
 
 
+def _held_task_ids(runtime: PoolRuntime) -> set[str]:
+    from celery.worker import state
+
+    held = {str(task_id) for task_id in list(state.requests)}
+    running = runtime.current
+    return held | {running.rec.request_id} if running else held
+
+
 def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime) -> None:
+    orphans = OrphanSweep(r, queue, lambda: _held_task_ids(runtime))
     while True:
         running = runtime.current
         try:
             pipe = r.pipeline(transaction=False)
             beat = {"pid": os.getpid(), "t": time.time(), "ops_done": runtime.ops_done,
-                    "current": running.rec.request_id if running else ""}  # api.lost_futures reads `current`
+                    "current": running.rec.request_id if running else "",  # api.lost_futures reads `current`
+                    "fused_ops": runtime.clock.fused_ops if runtime.clock else 0,
+                    # api.lost_futures: the messages it holds in memory, and since when it runs
+                    "held": sorted(_held_task_ids(runtime)), "since": STARTED_AT}
             pipe.set(keys.pool_heartbeat(queue), json.dumps(beat), ex=10)
             for key, value in runtime.announcements.items():
                 pipe.set(key, value, nx=True)  # a restarted broker lost it
             pipe.execute()
+            orphans.sweep()
         except redis.RedisError:
             pass  # the broker is down; Celery reconnects on its own and so do we next round
         time.sleep(HEARTBEAT_SECONDS)
 
 
+def _liveness(path: str, runtime: PoolRuntime, execution_timeout: float) -> None:
+    """Rewrite the liveness file the launcher watches (twinkle/liveness.py); needs no broker."""
+    while True:
+        running = runtime.current
+        started = time.time() - (time.monotonic() - running.started) if running else 0.0
+        try:
+            liveness.write(path, liveness.Liveness(
+                pid=os.getpid(), t=time.time(), current=running.rec.request_id if running else "",
+                op=running.rec.op if running else "", started=started, execution_timeout=execution_timeout))
+        except OSError:
+            log.warning("cannot write the liveness file %s", path)
+        runtime.started_op.wait(liveness.INTERVAL_SECONDS)  # a new op is written at once, not up to 1 s late
+        runtime.started_op.clear()
+
+
 def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO") -> None:
     logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    verbosity.quiet_library_warnings()
     config = load_config(config_path)
     app = config.app(app_name)
     url = broker_url_from(config)
@@ -127,12 +169,21 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     r = redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=2.0), BROKER_RETRIES),
                              retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     keys = Keys(config.persistence.key_prefix)
-    runtime = build_runtime(config, app, replica, r, keys)
+    try:
+        runtime = build_runtime(config, app, replica, r, keys)
+    except Exception as error:  # noqa: BLE001 - whatever stops the start, the launcher reports it in one line
+        _exit_start_failed(queue_for(app, replica), error)
     celery = make_celery(url, events=config.flower.enabled)
+    celery.conf.worker_consumer = "workers.broker_link:QuickReconnectConsumer"
     for op in Op:
         _register(celery, runtime, op)
     setup_worker_telemetry(config, app_name, celery)
     threading.Thread(target=_heartbeat, args=(r, keys, runtime.queue, runtime), daemon=True).start()
+    if os.environ.get(liveness.ENV):
+        limits = getattr(app.args, "queue_config", None)
+        threading.Thread(target=_liveness, args=(os.environ[liveness.ENV], runtime,
+                                                 float(limits.execution_timeout) if limits else 0.0),
+                         name="liveness", daemon=True).start()
     # Model and sampler pools: one op at a time in one process that holds the model (threads, -c 1).
     # Processor pools: stateless CPU work in parallel processes (prefork).
     if app.import_path == "processor":
@@ -143,11 +194,30 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
         # One thread runs ops in delivery order; reserving the next message while an op runs saves the fetch
         # after each ack (2.5 ms of a training step). Both stay unacked, so a crash restores them in order.
         pool = ["-P", "threads", "-c", "1", "--prefetch-multiplier", "2"]
+        if runtime.clock is not None:
+            # Clock cycles: one thread per op in hand, each waiting for its turn in a cycle; the consumer
+            # reports every message as it arrives, so the clock knows the queue's order before the threads race.
+            clock = runtime.clock
+            pool = ["-P", "threads", "-c", str(clock.max_ops), "--prefetch-multiplier", "1"]
+            task_received.connect(lambda request, **_: clock.arrived(str(request.kwargs.get("request_id", ""))),
+                                  weak=False)
     celery.worker_main([
+        *([] if verbosity.verbose() else ["--quiet"]),  # the banner, unless `launch -v`
         "worker", *pool, "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",
         "--without-mingle", "--without-gossip", *(["-E"] if config.flower.enabled else []),
         f"--loglevel={loglevel}",
     ])
+
+
+def _exit_start_failed(queue: str, error: Exception) -> NoReturn:
+    """Leave the one-line cause for the launcher and exit with PoolExit.START_FAILED; the traceback only with
+    `launch -v` or when run on its own (the same traceback at every retry hides the cause)."""
+    cause = startup.write_cause(error)
+    if verbosity.verbose() or not os.environ.get(startup.ENV):
+        log.error("pool %s failed to start: %s", queue, cause, exc_info=error)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(PoolExit.START_FAILED)  # no interpreter teardown: a half-started Ray or model must not hang it
 
 
 def _register(celery: Any, runtime: PoolRuntime, op: Op) -> None:

@@ -79,6 +79,20 @@ class RankReplica:
             return self.backend.forward_backward(adapter_id, batch)
         return self.backend.forward(adapter_id, batch)
 
+    def fused_solo_reason(self, adapter_id: str, batch: ForwardBackwardInput) -> str | None:
+        ask = getattr(self.backend, "fused_solo_reason", None)
+        return "this backend runs one call at a time" if ask is None else ask(adapter_id, batch)
+
+    def run_fused_shards(self, calls: list[tuple[str, ForwardBackwardInput | None, bool]]) -> list[Any]:
+        """This rank's shards of several calls as one fused pass (None where a call has no datum here)."""
+        present = [index for index, (_, batch, _) in enumerate(calls) if batch is not None]
+        results: list[Any] = [None] * len(calls)
+        if present:
+            outcomes = self.backend.run_fused([calls[index] for index in present])
+            for index, outcome in zip(present, outcomes, strict=True):
+                results[index] = outcome
+        return results
+
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
         if hasattr(self.backend, "sync_gradients"):
             self.backend.sync_gradients(adapter_id, self.reducer)

@@ -18,11 +18,14 @@ from typing import Any
 import redis
 
 from twinkle import blobs
-from twinkle.errors import AdapterGone, BackendFailure, TwinkleError, lost_state_error
+from twinkle.checkpoints import storage_failure
+from twinkle.errors import AdapterGone, BackendFailure, QueueTimedOut, TwinkleError, lost_state_error
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
+from twinkle.run_metrics import RunMetrics
 from twinkle.telemetry import task_finished, task_started
+from workers.clock import Clock, FusedRunner, Job
 
 log = logging.getLogger("twinkle.worker")
 
@@ -37,7 +40,8 @@ class RunningOp:
 
 class PoolRuntime:
     def __init__(self, r: redis.Redis, keys: Keys, queue: str, handlers: dict[str, Handler], *,
-                 future_ttl: int, has_adapter: Callable[[str], bool] | None = None, serialize: bool = True) -> None:
+                 future_ttl: int, has_adapter: Callable[[str], bool] | None = None, serialize: bool = True,
+                 queue_timeout: float = 0) -> None:
         self.r = r
         self.keys = keys
         self.queue = queue
@@ -45,15 +49,26 @@ class PoolRuntime:
         self.future_ttl = future_ttl
         self.has_adapter = has_adapter
         self.ops_done = 0
+        self.queue_timeout = queue_timeout  # seconds an op may wait in the queue (0 = forever)
         # Model pools: ops and the adapter reaper never touch the backend at once. Sampler and processor
         # pools run several ops concurrently (their handlers synchronise what they share).
         self.lock: Any = threading.Lock() if serialize else contextlib.nullcontext()
         self._begin_script = r.register_script(_BEGIN)
         self._finish_script = r.register_script(_FINISH)
         self.current: RunningOp | None = None  # the op in its handler (model pools), for the hang watchdog
+        self.started_op = threading.Event()  # set when an op enters its handler: the liveness file says so at once
+        self.clock: Clock | None = None  # set by `use_clock`: ops of many adapters run in fused cycles
         self.announcements: dict[str, str] = {}  # keys the heartbeat restores should the broker lose them
+        self.metrics = RunMetrics(r, keys)  # per-run step metrics and recent failures, for the console
 
     def execute(self, op: str, request_id: str) -> None:
+        try:
+            self._execute(op, request_id)
+        finally:
+            if self.clock is not None:
+                self.clock.leave(request_id)
+
+    def _execute(self, op: str, request_id: str) -> None:
         raw, payload, model_raw = self._read(request_id)
         if not raw:
             log.warning("future %s is gone (expired?); dropping %s", request_id, op)
@@ -69,18 +84,17 @@ class PoolRuntime:
             return
         started = time.perf_counter()
         try:
-            if not self._begin(rec):
-                log.warning("future %s vanished from the broker (restarted?); %s not run", request_id, op)
-                return
-            self._check_adapter_alive(op, rec, model)
-            with self.lock, self._running(rec):
-                result = self.handlers[op](rec, blobs.loads(payload) if payload else None)
+            self._check_waited(op, rec)
+            result = self._run(op, rec, model, blobs.loads(payload) if payload else None)
+        except _Vanished:
+            log.warning("future %s vanished from the broker (restarted?); %s not run", request_id, op)
+            return
         except TwinkleError as exc:
             self._fail(rec, exc)
             self._release_if_never_created(op, rec, model, exc)
         except Exception as exc:  # noqa: BLE001 - any backend bug becomes a failed future, never a hang
             log.error("%s %s failed:\n%s", op, request_id, traceback.format_exc())
-            failure = BackendFailure(
+            failure = storage_failure(exc) or BackendFailure(  # a full or read-only disk says so
                 f"{op} failed inside the server ({type(exc).__name__}).",
                 hint=f"This is a server problem; report request id {request_id} to the operator.",
             )
@@ -91,6 +105,23 @@ class PoolRuntime:
         finally:
             self.ops_done += 1
             log.debug("%s %s took %.1f ms", op, request_id, (time.perf_counter() - started) * 1000)
+
+    def _run(self, op: str, rec: FutureRecord, model: ModelRecord | None, args: Any) -> Any:
+        """Begin, check and run the op: now under the pool's lock, or at its turn in a clock cycle."""
+
+        def prepare() -> None:
+            if not self._begin(rec):
+                raise _Vanished
+            self._check_adapter_alive(op, rec, model)
+
+        def call() -> Any:
+            return self.handlers[op](rec, args)
+
+        if self.clock is not None:
+            return self.clock.run(Job(op, rec, args, prepare, call))
+        prepare()
+        with self.lock, self._running(rec):
+            return call()
 
     def announce(self, key: str, value: str) -> None:
         """Publish a value other processes read (the pool's model info) and keep it published."""
@@ -105,12 +136,21 @@ class PoolRuntime:
         self._fail(running.rec, exc)
         return running.rec
 
+    def use_clock(self, backend: Any, config: Any, after_fused: Callable[[], None] | None = None) -> Clock:
+        """Run this model pool's ops in clock cycles (`workers.clock`) from now on; `after_fused` runs after
+        each fused pass, as the pool's handlers run their own epilogue after each op."""
+        fuser = FusedRunner(backend, after_fused) if FusedRunner.available(backend) else None
+        self.clock = Clock(self.lock, self._running, fuser, window_ms=config.window_ms, max_ops=config.max_ops,
+                           max_tokens=config.max_tokens).start()
+        return self.clock
+
     @contextlib.contextmanager
     def _running(self, rec: FutureRecord) -> Iterator[None]:
         if isinstance(self.lock, contextlib.nullcontext):  # concurrent pools: no single current op
             yield
             return
         self.current = RunningOp(rec, time.monotonic())
+        self.started_op.set()
         try:
             yield
         finally:
@@ -139,6 +179,17 @@ class PoolRuntime:
             return False
         task_started(rec)
         return True
+
+    def _check_waited(self, op: str, rec: FutureRecord) -> None:
+        """An op that waited past queue_timeout fails instead of running late: its client gave up or would
+        rather resubmit, and running it now only delays everyone queued behind it."""
+        waited = time.time() - rec.created_at
+        if self.queue_timeout > 0 and rec.created_at > 0 and waited > self.queue_timeout:
+            raise QueueTimedOut(
+                f"{op} waited {waited:.0f} s in the queue of {self.queue}, longer than its queue_timeout of "
+                f"{self.queue_timeout:g} s, and was not run.",
+                hint="Submit it again when the server is less busy, or ask the operator to raise "
+                     "queue_config.queue_timeout.")
 
     def _check_adapter_alive(self, op: str, rec: FutureRecord, model: ModelRecord | None) -> None:
         if self.has_adapter is None or op in (Op.CREATE_MODEL, Op.SAMPLE, Op.UNLOAD_MODEL) or not rec.model_id:
@@ -170,11 +221,13 @@ class PoolRuntime:
     def _complete(self, rec: FutureRecord, result: Any) -> None:
         if self._finish(rec, FutureStatus.COMPLETED, blobs.dumps(result)):
             task_finished(rec, FutureStatus.COMPLETED, result=result)
+            self.metrics.record(rec, result)
 
     def _fail(self, rec: FutureRecord, exc: TwinkleError) -> None:
         log.info("%s %s failed: %s", rec.op, rec.request_id, exc)
         if self._finish(rec, FutureStatus.FAILED, b"", error=str(exc), category=exc.category, code=exc.code):
             task_finished(rec, FutureStatus.FAILED, error=exc)
+            self.metrics.record_failure(rec, exc)
 
     def _finish(self, rec: FutureRecord, status: FutureStatus, result: bytes, **failure: str) -> bool:
         """Write the outcome and wake its long-polls in one script, only where the future still exists.
@@ -191,6 +244,10 @@ class PoolRuntime:
         if not int(written):
             log.warning("future %s vanished from the broker (restarted?); its outcome is dropped", rid)
         return bool(int(written))
+
+
+class _Vanished(Exception):  # a signal between two steps of one op, never reported
+    """The future is gone from the broker: the op is dropped without a trace."""
 
 
 # KEYS: future, blob_out, blob_in. ARGV: ttl, result blob ('' = none), done channel, status, field/value pairs.

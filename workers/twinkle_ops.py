@@ -15,6 +15,7 @@ import numpy as np
 
 from twinkle.errors import InvalidRequest
 from twinkle.futures import FutureRecord
+from twinkle.hyperparameters import check_adam_params
 from twinkle.trainer import TrainConfig, TrainerState, adam_params
 from twinkle.types import Datum, ForwardBackwardInput, ForwardBackwardOutput
 
@@ -112,7 +113,7 @@ class TwinkleOps:
         cfg, state = trainer.config, trainer.state
         if state.micro_steps < cfg.gradient_accumulation_steps:
             return {"stepped": False, "cur_step": state.cur_step, "grad_norm": None, "lr": state.last_lr}
-        params = adam_params(cfg, state.cur_step, payload.get("max_grad_norm"))
+        params = check_adam_params(adam_params(cfg, state.cur_step, payload.get("max_grad_norm")), "optimizer")
         metrics = self.pool.backend.optim_step(rec.model_id, params)
         grad_norm = float(metrics.get("grad_norm:mean", 0.0))
         state.grad_norms.append(grad_norm)

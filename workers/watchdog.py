@@ -14,7 +14,7 @@ import os
 import threading
 import time
 
-from twinkle.errors import BackendFailure
+from twinkle.errors import OpTimedOut
 from twinkle.pool_exit import PoolExit
 from workers.runtime import PoolRuntime
 
@@ -45,7 +45,7 @@ class Watchdog:
         if running is None:
             return
         rec = running.rec
-        failure = BackendFailure(
+        failure = OpTimedOut(
             f"{rec.op} ran longer than this pool's execution_timeout of {self.timeout:g} s and was "
             "abandoned; the pool is restarting.",
             hint="Retry with a smaller batch, or ask the operator to raise queue_config.execution_timeout.",

@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from api.context import ApiContext
 from api.deps import Ctx, Tenant
+from api.finite_json import FiniteJSONResponse
 from api.schemas import RetrieveFutureBody
+from api.slots import waiting_for_slot
 from api.tinker_codec import encode_forward_backward_output, encode_sample_output
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.telemetry import link_future
@@ -20,35 +21,41 @@ from twinkle.types import ForwardBackwardOutput, SampleOutput
 
 router = APIRouter()
 PROTOBUF = "application/x-protobuf"
-RECHECK_SECONDS = 5.0  # re-read the record this often in case a pub/sub message was lost
 
 
 async def wait_for_future(ctx: ApiContext, record: FutureRecord, tenant: str, timeout: float) -> FutureRecord:
+    """`record` once terminal or `timeout` passed (see `await_future`)."""
     if record.state.terminal or timeout <= 0:
         return record
-    channel = ctx.keys.done_channel(record.request_id)
-    waiter = await ctx.hub.register(channel)
+    return await await_future(ctx, record.request_id, tenant, timeout)
+
+
+async def await_future(ctx: ApiContext, request_id: str, tenant: str, timeout: float) -> FutureRecord:
+    """The record once terminal or `timeout` passed. The waiter is registered before the first read, so a
+    result published after that read wakes it; a parked poll holds no Redis connection: the hub wakes it
+    (pub/sub, or its batched re-read), and only then is the record read again."""
+    waiter = ctx.hub.register(request_id)
     try:
         deadline = time.monotonic() + timeout
         while True:
-            record = await ctx.store.future(record.request_id, tenant)
+            waiter.woken.clear()  # before the read: a wake-up after it is kept for the wait below
+            record = await ctx.store.future(request_id, tenant)
             remaining = deadline - time.monotonic()
             if record.state.terminal or remaining <= 0:
                 return record
             try:
-                await asyncio.wait_for(asyncio.shield(waiter), min(remaining, RECHECK_SECONDS))
+                await asyncio.wait_for(waiter.woken.wait(), remaining)
             except TimeoutError:
-                continue
+                continue  # one last read, then the deadline ends the loop
     finally:
-        await ctx.hub.unregister(channel, waiter)
+        ctx.hub.unregister(waiter)
 
 
 @router.post("/retrieve_future", response_model=None)
 async def retrieve_future(body: RetrieveFutureBody, request: Request, ctx: Ctx, tenant: Tenant
                           ) -> Response | dict[str, Any]:
-    record = await ctx.store.future(body.request_id, tenant)
+    record = await await_future(ctx, body.request_id, tenant, ctx.long_poll_seconds)
     link_future(record)
-    record = await wait_for_future(ctx, record, tenant, ctx.long_poll_seconds)
     if record.state is FutureStatus.FAILED:
         return {"error": record.error, "category": record.category or "server", "code": record.code}
     if not record.state.terminal:
@@ -68,6 +75,8 @@ async def try_again(ctx: ApiContext, record: FutureRecord) -> dict[str, Any]:
     throttled = await ctx.limiter.over_limit(record.owner, record.queue)
     if throttled:
         queue_state, reason = "paused_rate_limit", f"{throttled}; this request is {reason}"
+    elif (waiting := await waiting_for_slot(ctx, record)) is not None:
+        queue_state, reason = "paused_capacity", f"{waiting}; this request is {reason}"
     return {"type": "try_again", "request_id": record.request_id, "queue_state": queue_state,
             "queue_state_reason": reason, "status": record.status}
 
@@ -76,11 +85,11 @@ def render_result(record: FutureRecord, result: Any, wants_proto: bool) -> Respo
     if isinstance(result, ForwardBackwardOutput):
         if wants_proto:
             return Response(encode_forward_backward_output(result), media_type=PROTOBUF)
-        return JSONResponse(forward_output_json(result))
+        return FiniteJSONResponse(forward_output_json(result))
     if isinstance(result, SampleOutput):
         if wants_proto:
             return Response(encode_sample_output(result, result.prompt_length), media_type=PROTOBUF)
-        return JSONResponse(sample_output_json(result))
+        return FiniteJSONResponse(sample_output_json(result))
     body = dict(result or {})
     body.setdefault("type", _TYPE_TAGS.get(record.op, record.op))
     return body

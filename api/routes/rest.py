@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from api.context import ApiContext
 from api.deps import Ctx, Tenant
 from api.schemas import TtlBody, WeightsInfoBody
-from twinkle.checkpoints import CheckpointRef, parse_checkpoint_path, validate_name
+from twinkle.checkpoints import CHECKPOINT_TYPES, CheckpointRef, parse_checkpoint_path, validate_name
 from twinkle.errors import InvalidRequest, NotFound
 from twinkle.records import ModelRecord
 
@@ -65,9 +65,9 @@ async def list_user_checkpoints(ctx: Ctx, tenant: Tenant, limit: int = 100, offs
 
 def _ref(run_id: str, checkpoint_id: str) -> CheckpointRef:
     kind, _, name = checkpoint_id.partition("/")
-    if kind not in ("weights", "sampler_weights") or not name:
-        raise InvalidRequest(f"Unknown checkpoint id {checkpoint_id!r}.", hint="Use weights/<name> or "
-                             "sampler_weights/<name> as listed by list_checkpoints.")
+    if kind not in CHECKPOINT_TYPES or not name:
+        raise InvalidRequest(f"Unknown checkpoint id {checkpoint_id!r}.", hint="Use weights/<name>, "
+                             "sampler_weights/<name> or external_weights/<name> as listed by list_checkpoints.")
     return CheckpointRef(validate_name(run_id, "run id"), kind, validate_name(name))  # type: ignore[arg-type]
 
 

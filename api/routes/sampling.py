@@ -9,7 +9,8 @@ from fastapi import APIRouter
 
 from api.context import ApiContext
 from api.deps import Ctx, Tenant
-from api.schemas import CreateSamplingSessionBody, SampleBody
+from api.provenance import record_sample
+from api.schemas import CreateSamplingSessionBody, SampleBody, checked_new_id
 from api.tinker_codec import decode_model_input, sampling_params_from_json
 from twinkle.checkpoints import parse_checkpoint_path
 from twinkle.errors import InvalidRequest
@@ -43,7 +44,8 @@ async def create_sampling_session(body: CreateSamplingSessionBody, ctx: Ctx, ten
     await ctx.store.session(body.session_id, tenant)
     name, queue, _ = await _target(ctx, tenant, body.base_model, body.model_path)
     seq = body.sampling_session_seq_id if body.sampling_session_seq_id is not None else int(time.time() * 1000)
-    record = SamplingSessionRecord(sampling_session_id=f"{body.session_id}:sample:{seq}", owner=tenant,
+    sampling_session_id = checked_new_id(f"{body.session_id}:sample:{seq}", "sampling session id")
+    record = SamplingSessionRecord(sampling_session_id=sampling_session_id, owner=tenant,
                                    session_id=body.session_id, base_model=name, queue=queue,
                                    model_path=body.model_path or "", created_at=time.time())
     await ctx.store.add_sampling_session(record)
@@ -82,4 +84,6 @@ async def asample(body: SampleBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     await ctx.limiter.admit(tenant, queue, input_tokens=input_length(prompt))
     rid = await ctx.store.submit(op=Op.SAMPLE, owner=tenant, model_id="", queue=queue, payload=req,
                                  seq_id=body.seq_id if dedupe_scope else None, dedupe_scope=dedupe_scope)
+    if body.record_stability_info:
+        await record_sample(ctx.store.r, ctx.keys, rid, tenant, input_length(prompt), body.num_samples)
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}

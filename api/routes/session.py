@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
-from api.deps import Ctx, Tenant
+from api.deps import Ctx, Tenant, get_tenant
 from api.schemas import CreateSessionBody, FinishBody, SessionRef
+from twinkle.futures import Op
+from twinkle.server.readiness import INSTANCE_ENV
 
 router = APIRouter()
 
@@ -15,7 +18,9 @@ router = APIRouter()
 @router.get("/healthz")
 async def healthz(ctx: Ctx) -> dict[str, Any]:
     await ctx.store.r.ping()
-    return {"status": "ok"}
+    # the launcher that started this API tells its answer from another server's on the same port
+    instance = os.environ.get(INSTANCE_ENV)
+    return {"status": "ok", **({"instance": instance} if instance else {})}
 
 
 @router.post("/client/config")
@@ -30,7 +35,11 @@ async def dynamic_config(tenant: Tenant) -> dict[str, Any]:
 
 
 @router.get("/get_server_capabilities")
-async def capabilities(ctx: Ctx) -> dict[str, Any]:
+async def capabilities(request: Request, ctx: Ctx) -> dict[str, Any]:
+    # What a server serves is for its users: with keys configured, only a valid key may ask. In development
+    # mode (no keys) it stays open, as health checks and first steps use it before choosing a key.
+    if not ctx.auth.dev_mode:
+        await get_tenant(request, request.headers.get("x-api-key"), request.headers.get("authorization"))
     models = []
     for served in ctx.catalog.models.values():
         info = await ctx.model_info(served)
@@ -55,7 +64,13 @@ async def session_heartbeat(body: SessionRef, ctx: Ctx, tenant: Tenant) -> dict[
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, body: FinishBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    """End the session (ServiceClient.close): its models are unloaded at once, so their LoRA slots and the
+    key's model count are free for the next run instead of waiting out adapter_timeout."""
     await ctx.store.finish_session(session_id, tenant, body.reason.type)
+    for record in await ctx.store.session_models(session_id, tenant):
+        await ctx.store.submit(op=Op.UNLOAD_MODEL, owner=tenant, model_id=record.model_id, queue=record.queue,
+                               payload=None)
+        await ctx.store.release_model(record, reason=f"its session finished ({body.reason.type})")
     return {}
 
 

@@ -7,8 +7,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from api.checkpoint_writes import submit_save
 from api.context import ApiContext
 from api.deps import Ctx, Tenant
+from api.provenance import check_provenance
 from api.schemas import (
     CreateModelBody,
     LoadWeightsBody,
@@ -16,6 +18,7 @@ from api.schemas import (
     OptimStepBody,
     SaveWeightsBody,
     SaveWeightsForSamplerBody,
+    checked_new_id,
 )
 from api.tinker_codec import adam_params_from_json, decode_forward_backward
 from twinkle.checkpoints import new_checkpoint_name, parse_checkpoint_path, validate_name
@@ -23,6 +26,7 @@ from twinkle.errors import InvalidRequest, PayloadTooLarge
 from twinkle.futures import Op
 from twinkle.losses import validate_loss
 from twinkle.records import ModelRecord
+from twinkle.tokenizer_files import is_hub_style_name
 from twinkle.types import LoadRequest, LoraSpec, SaveRequest, input_length, lora_spec_from_dict
 
 router = APIRouter()
@@ -79,13 +83,15 @@ async def _register_model(ctx: ApiContext, tenant: str, session_id: str, model_s
         raise InvalidRequest(f"Base model {base_model!r} is served for sampling only.",
                              hint="Pick a model listed as trainable in get_server_capabilities.")
     seq = model_seq_id if model_seq_id is not None else await ctx.store.next_model_seq(session_id)
-    model_id = f"{session_id}:train:{seq}"
+    model_id = checked_new_id(f"{session_id}:train:{seq}", "model id")
     raw = await ctx.store.r.hgetall(ctx.keys.model(model_id))
     if raw:  # a retried create: same id, same future (deduped on seq 0)
         return ModelRecord.from_hash(raw)
+    queue = await _least_loaded(ctx, served.model_queues)
+    await ctx.limiter.admit(tenant, queue)  # before the model counts against the key's model limit
     now = time.time()
     record = ModelRecord(model_id=model_id, owner=tenant, session_id=session_id, base_model=served.name,
-                         app=served.model_app or "", queue=await _least_loaded(ctx, served.model_queues),
+                         app=served.model_app or "", queue=queue,
                          lora={k: v for k, v in spec.__dict__.items()}, created_at=now, last_request_at=now,
                          user_metadata=user_metadata or {})
     await ctx.store.add_model(record, limit=ctx.per_key_model_limit())
@@ -125,11 +131,18 @@ async def get_info(body: ModelRef, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
         "type": "get_info",
         "model_id": record.model_id,
         "model_data": {"arch": info.get("arch"), "model_name": served.name,
-                       "tokenizer_id": info.get("tokenizer_id")},
+                       "tokenizer_id": _tokenizer_id(served.name, info.get("tokenizer_id"))},
         "is_lora": True,
         "lora_rank": record.lora.get("rank"),
         "model_name": served.name,
     }
+
+
+def _tokenizer_id(served_name: str, loaded_from: str | None) -> str | None:
+    """A hub-style served name (`Qwen/Qwen3-8B`) is what the SDK and cookbook load on a client machine (from
+    the hub, or from this server's tokenizer_files through init_tinker_client); the server's own model
+    directory means nothing there. Any other name keeps the worker's answer (the model directory)."""
+    return served_name if is_hub_style_name(served_name) else loaded_from
 
 
 async def _forward(request: Request, ctx: ApiContext, tenant: str, *, forward_only: bool) -> dict[str, Any]:
@@ -144,6 +157,9 @@ async def _forward(request: Request, ctx: ApiContext, tenant: str, *, forward_on
         max_bytes=ctx.max_request_bytes, vocab_size=None)
     record = await ctx.store.model(meta.model_id, tenant)
     validate_loss(batch.loss_fn, batch.data, batch.loss_fn_config)
+    if batch.loss_fn == "stable_reinforce":
+        await check_provenance(ctx.store.r, ctx.keys, tenant, batch.data,
+                               meta.provenance or (None,) * len(batch.data))
     await _check_lengths(ctx, record, batch)
     tokens = sum(input_length(d.model_input) for d in batch.data)
     await ctx.limiter.admit(tenant, record.queue, input_tokens=tokens)
@@ -199,8 +215,7 @@ async def save_weights(body: SaveWeightsBody, ctx: Ctx, tenant: Tenant) -> dict[
     name = validate_name(body.path) if body.path else new_checkpoint_name()
     req = SaveRequest(name=name, kind="weights", include_optimizer=True, overwrite=body.overwrite,
                       ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata or {})
-    rid = await ctx.store.submit(op=Op.SAVE_STATE, owner=tenant, model_id=record.model_id,
-                                 queue=record.queue, payload=req, seq_id=body.seq_id)
+    rid = await submit_save(ctx, tenant, record, Op.SAVE_STATE, req, seq_id=body.seq_id)
     return _future(rid, record.model_id)
 
 
@@ -213,11 +228,10 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerBody, ctx: Ctx, te
     else:
         name = new_checkpoint_name("sampler")
         seq = body.sampling_session_seq_id if body.sampling_session_seq_id is not None else int(time.time())
-        sampling_session_id = f"{record.session_id}:sample:{seq}"
+        sampling_session_id = checked_new_id(f"{record.session_id}:sample:{seq}", "sampling session id")
     req = SaveRequest(name=name, kind="sampler_weights", include_optimizer=False, ttl_seconds=body.ttl_seconds,
                       user_metadata=body.user_metadata or {}, sampling_session_id=sampling_session_id)
-    rid = await ctx.store.submit(op=Op.SAVE_WEIGHTS_FOR_SAMPLER, owner=tenant, model_id=record.model_id,
-                                 queue=record.queue, payload=req, seq_id=body.seq_id)
+    rid = await submit_save(ctx, tenant, record, Op.SAVE_WEIGHTS_FOR_SAMPLER, req, seq_id=body.seq_id)
     return _future(rid, record.model_id)
 
 
@@ -228,6 +242,7 @@ async def load_weights(body: LoadWeightsBody, ctx: Ctx, tenant: Tenant) -> dict[
     if body.model_id:
         record = await ctx.store.model(body.model_id, tenant)
         req = LoadRequest(owner=tenant, path=body.path, include_optimizer=body.optimizer)
+        await ctx.limiter.admit(tenant, record.queue)
         rid = await ctx.store.submit(op=Op.LOAD_STATE, owner=tenant, model_id=record.model_id,
                                      queue=record.queue, payload=req, seq_id=body.seq_id)
         return _future(rid, record.model_id)
@@ -247,6 +262,7 @@ async def load_weights(body: LoadWeightsBody, ctx: Ctx, tenant: Tenant) -> dict[
 @router.post("/unload_model")
 async def unload_model(body: ModelRef, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     record = await ctx.store.model(body.model_id, tenant)
+    await ctx.limiter.admit(tenant, record.queue)
     rid = await ctx.store.submit(op=Op.UNLOAD_MODEL, owner=tenant, model_id=record.model_id,
                                  queue=record.queue, payload=None)
     await ctx.store.release_model(record, reason="unloaded by its owner")

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import ConfigDict, Field, field_validator
 
+from api.checkpoint_writes import submit_save
 from api.context import ApiContext
 from api.deps import Ctx, Tenant
 from api.schemas import Body
@@ -22,6 +23,8 @@ from twinkle.types import LoadRequest, SaveRequest
 
 router = APIRouter(prefix="/twinkle", tags=["twinkle"])
 MAX_INPUTS = 4096
+MAX_TOKEN_ID = 2**31 - 1
+IGNORE_LABEL = -100
 
 
 class ModelBody(Body):
@@ -56,11 +59,18 @@ class InputsBody(ModelBody):
             if "messages" in item:
                 continue
             ids, labels = item.get("input_ids"), item.get("labels")
-            if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+            if not isinstance(ids, list) or not all(_token_id(t) for t in ids):
                 raise ValueError(f"inputs[{i}].input_ids must be a list of non-negative token ids")
             if not isinstance(labels, list) or len(labels) != len(ids):
                 raise ValueError(f"inputs[{i}].labels must be a list as long as input_ids (-100 = not trained)")
+            if not all(t == IGNORE_LABEL or _token_id(t) for t in labels):
+                raise ValueError(f"inputs[{i}].labels must hold token ids, or -100 for tokens not trained")
         return inputs
+
+
+def _token_id(value: Any) -> bool:
+    # bool is an int in Python, but `true` is no token; ids past int32 are no vocabulary's
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
 
 
 class StepBody(ModelBody):
@@ -106,6 +116,22 @@ async def _submit(ctx: ApiContext, tenant: str, model_id: str, op: Op, payload: 
     return {"request_id": rid, "model_id": record.model_id}
 
 
+async def _check_vocabulary(ctx: ApiContext, tenant: str, body: InputsBody) -> None:
+    """Token ids outside the model's vocabulary are refused here, on every backend, as the Tinker routes do."""
+    record = await ctx.store.model(body.model_id, tenant)
+    info = await ctx.model_info(ctx.catalog.find(record.base_model)) or {}
+    vocab = info.get("vocab_size")
+    if not vocab:
+        return
+    for i, item in enumerate(body.inputs):
+        for field in ("input_ids", "labels"):
+            ids = item.get(field) if "messages" not in item else None
+            top = max(ids, default=-1) if ids else -1
+            if top >= vocab:
+                raise InvalidRequest(f"inputs[{i}].{field} has token id {top}, outside the vocabulary (size {vocab}).",
+                                     hint="Tokenize with the model's tokenizer.")
+
+
 def _input_tokens(inputs: list[dict[str, Any]]) -> int:
     """Tokens of already-encoded inputs; trajectories (`messages`) are encoded in the pool and not counted."""
     return sum(len(item.get("input_ids") or ()) for item in inputs if "messages" not in item)
@@ -119,6 +145,7 @@ async def configure(body: ConfigureBody, ctx: Ctx, tenant: Tenant) -> dict[str, 
 
 @router.post("/forward_backward")
 async def forward_backward(body: InputsBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    await _check_vocabulary(ctx, tenant, body)
     payload = {"inputs": body.inputs, "loss_kwargs": body.loss_kwargs or {}}
     return await _submit(ctx, tenant, body.model_id, Op.FORWARD_BACKWARD, payload,
                          input_tokens=_input_tokens(body.inputs))
@@ -126,6 +153,7 @@ async def forward_backward(body: InputsBody, ctx: Ctx, tenant: Tenant) -> dict[s
 
 @router.post("/forward_only")
 async def forward_only(body: InputsBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    await _check_vocabulary(ctx, tenant, body)
     payload = {"inputs": body.inputs, "loss_kwargs": body.loss_kwargs or {}, "disable_lora": body.disable_lora}
     return await _submit(ctx, tenant, body.model_id, Op.FORWARD, payload, input_tokens=_input_tokens(body.inputs))
 
@@ -151,7 +179,8 @@ async def save(body: SaveBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
                       include_optimizer=body.save_optimizer, overwrite=True,
                       consumed_train_samples=body.consumed_train_samples)
     op = Op.SAVE_STATE if body.kind == "weights" else Op.SAVE_WEIGHTS_FOR_SAMPLER
-    return await _submit(ctx, tenant, body.model_id, op, req)
+    record = await ctx.store.model(body.model_id, tenant)
+    return {"request_id": await submit_save(ctx, tenant, record, op, req), "model_id": record.model_id}
 
 
 @router.post("/resume_from_checkpoint")
@@ -197,6 +226,7 @@ async def encode(body: EncodeBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     # Templates load only the tokenizers of served models, never an arbitrary hub id from a client.
     requested = str(body.template_kwargs.get("model_id") or next(iter(ctx.catalog.models), ""))
     payload["template_kwargs"] = {**body.template_kwargs, "model_id": ctx.catalog.find(requested).model_id}
-    rid = await ctx.store.submit(op=Op.ENCODE, owner=tenant, model_id="", queue=processor_queue(apps[0].name),
-                                 payload=payload)
+    queue = processor_queue(apps[0].name)
+    await ctx.limiter.admit(tenant, queue)  # rows are not tokens yet: counted as one request
+    rid = await ctx.store.submit(op=Op.ENCODE, owner=tenant, model_id="", queue=queue, payload=payload)
     return {"request_id": rid}

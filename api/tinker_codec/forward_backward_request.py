@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import google.protobuf.message
 
+from api.json_depth import check_json_depth
+from api.provenance import Span, spans_from_proto
 from api.tinker_codec import wire_schema as pb
 from api.tinker_codec.datum import checked_datum
 from api.tinker_codec.json_fields import as_object, is_number, json_kind, optional_integer, required_string
@@ -28,6 +30,8 @@ class ForwardBackwardRequestMeta:
     model_id: str
     seq_id: int | None
     forward_only: bool
+    # per datum, its loss_fn_input_spans (Datum.with_provenance), None where it has none
+    provenance: tuple[tuple[Span, ...] | None, ...] = ()
 
 
 def decode_forward_backward(
@@ -89,13 +93,16 @@ def _from_proto(
             config[key] = value.text
         else:
             raise InvalidRequest(f"loss_fn_config_v2[{key!r}] has neither a number nor a text value.")
-    meta = ForwardBackwardRequestMeta(msg.model_id, msg.seq_id or None, msg.forward_only)
+    provenance = tuple(spans_from_proto(datum_msg.loss_fn_input_spans, f"data[{index}].loss_fn_input_spans")
+                       for index, datum_msg in enumerate(msg.data))
+    meta = ForwardBackwardRequestMeta(msg.model_id, msg.seq_id or None, msg.forward_only, provenance)
     return meta, _batch(data, msg.loss_fn, config)
 
 
 def _from_json(
     raw: bytes, *, max_bytes: int, vocab_size: int | None
 ) -> tuple[ForwardBackwardRequestMeta, ForwardBackwardInput]:
+    check_json_depth(raw)  # a zstd body was not visible to the check in api.body_limit
     try:
         parsed = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -6,6 +6,7 @@ from typing import Any
 
 from api.tinker_codec.json_fields import as_object, finite_number, is_integer, json_kind, optional_integer
 from twinkle.errors import InvalidRequest
+from twinkle.hyperparameters import check_adam_params
 from twinkle.types import AdamParams, SamplingParams
 
 
@@ -59,7 +60,7 @@ def adam_params_from_json(obj: Any) -> AdamParams:
         raise InvalidRequest(f"{where}.weight_decay must be >= 0, got {values['weight_decay']}.")
     # Tinker documents a non-positive clip norm as "no clipping"; Twinkle spells that 0.
     values["grad_clip_norm"] = max(values["grad_clip_norm"], 0.0)
-    return AdamParams(**values)
+    return check_adam_params(AdamParams(**values), where)
 
 
 def _stop(value: Any, where: str, vocab_size: int | None) -> tuple[tuple[int, ...], tuple[str, ...], bool]:

@@ -1,4 +1,5 @@
-"""The shared pub/sub listener wakes a long-poll for every result published once `register` returned."""
+"""The future hub: one pattern subscription per API process wakes every parked long-poll, a parked poll holds
+no Redis connection, and a wake-up lost to a broken connection is found by the re-read after reconnecting."""
 
 from __future__ import annotations
 
@@ -6,82 +7,121 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
 from api.hub import FutureHub
 from tests.harness import REDIS_HOST, REDIS_PORT, require_redis
+from tests.private_redis import PrivateRedis
+from twinkle.keys import Keys
+
+
+def test_keys() -> Keys:
+    return Keys(f"test-hub-{uuid.uuid4().hex[:8]}:[x]*")  # glob characters in the prefix stay literal
+
+
+test_keys.__test__ = False  # type: ignore[attr-defined]
 
 
 @pytest.fixture
-async def hub() -> AsyncIterator[FutureHub]:
+async def client() -> AsyncIterator[aioredis.Redis]:
     require_redis()
-    client = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=1)
-    hub = FutureHub(client)
+    name = f"test-hub-{uuid.uuid4().hex[:8]}"
+    pool = aioredis.BlockingConnectionPool(host=REDIS_HOST, port=REDIS_PORT, db=1, max_connections=4,
+                                           timeout=5, client_name=name)
+    r = aioredis.Redis.from_pool(pool)
+    yield r
+    await r.aclose()
+
+
+async def started(r: aioredis.Redis, keys: Keys) -> FutureHub:
+    hub = FutureHub(r, keys)
     await hub.start()
-    yield hub
-    await hub.close()
-    await client.aclose()
+    await asyncio.wait_for(hub.subscribed.wait(), 5)
+    return hub
 
 
-async def test_register_returns_only_once_redis_confirmed_the_subscription(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Redis may run a command sent later on another connection (the long-poll's re-read of the record)
-    # before a SUBSCRIBE: a result published in between was lost, about one wake-up in 700 (a 5 s stall).
-    require_redis()
-    monkeypatch.setattr("api.hub.CONFIRM_SECONDS", 0.5)
-    client = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=1)
-    unread = FutureHub(client)  # no listener runs: the confirmation is never read
-    try:
-        began = time.monotonic()
-        await unread.register(f"test-hub-{uuid.uuid4().hex[:8]}")
-        assert time.monotonic() - began >= 0.5
-        listened = FutureHub(client)
-        await listened.start()
-        began = time.monotonic()
-        await listened.register(f"test-hub-{uuid.uuid4().hex[:8]}")
-        assert time.monotonic() - began < 0.5
-        await listened.close()
-    finally:
-        await unread.close()
-        await client.aclose()
-
-
-async def test_a_result_published_right_after_register_returns_always_wakes_its_waiter(hub: FutureHub) -> None:
+async def test_a_result_published_right_after_a_waiter_registered_always_wakes_it(client: aioredis.Redis) -> None:
+    keys = test_keys()
+    hub = await started(client, keys)
     publisher = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=1)
-    prefix = f"test-hub-{uuid.uuid4().hex[:8]}:"
     missed = 0
     try:
-        for i in range(2000):
-            channel = f"{prefix}{i}"
-            waiter = await hub.register(channel)
-            await publisher.publish(channel, "completed")
+        for i in range(500):
+            waiter = hub.register(f"r{i}")
+            await publisher.publish(keys.done_channel(f"r{i}"), "completed")
             try:
-                await asyncio.wait_for(waiter, 2)
+                await asyncio.wait_for(waiter.woken.wait(), 2)
             except TimeoutError:
                 missed += 1
-            await hub.unregister(channel, waiter)
+            hub.unregister(waiter)
+        await publisher.publish(keys.done_channel("other") + "x", "completed")  # another future: nobody wakes
     finally:
         await publisher.aclose()
+        await hub.close()
     assert missed == 0
     assert hub.pending == 0
 
 
-async def test_every_waiter_of_a_channel_wakes_and_the_last_one_out_unsubscribes(hub: FutureHub) -> None:
-    channel = f"test-hub-{uuid.uuid4().hex[:8]}"
-    first, second = await hub.register(channel), await hub.register(channel)
-    assert hub.pending == 2
+async def test_two_thousand_parked_waiters_hold_no_redis_connection_and_all_wake(client: aioredis.Redis) -> None:
+    keys = test_keys()
+    hub = await started(client, keys)
     publisher = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=1)
     try:
-        await publisher.publish(channel, "failed")
-        await asyncio.wait_for(asyncio.gather(first, second), 2)
-        await hub.unregister(channel, first)
-        assert await publisher.pubsub_numsub(channel) == [(channel.encode(), 1)]
-        await hub.unregister(channel, second)
-        for _ in range(50):
-            if await publisher.pubsub_numsub(channel) == [(channel.encode(), 0)]:
-                break
-            await asyncio.sleep(0.02)
-        assert await publisher.pubsub_numsub(channel) == [(channel.encode(), 0)]
+        waiters = [hub.register(f"r{i}") for i in range(2000)]
+        waiters.append(hub.register("r0"))  # two polls of one future both wake
+        assert hub.pending == 2001
+        name = (await client.client_getname()) or ""
+        connections = [c for c in await publisher.client_list() if c.get("name") == name]
+        assert len(connections) <= 3, connections  # the subscription, a re-read's, the one that just asked
+        pipe = publisher.pipeline(transaction=False)
+        for i in range(2000):
+            pipe.publish(keys.done_channel(f"r{i}"), "completed")
+        await pipe.execute()
+        await asyncio.wait_for(asyncio.gather(*(w.woken.wait() for w in waiters)), 10)
+        for waiter in waiters:
+            hub.unregister(waiter)
+        assert hub.pending == 0
     finally:
         await publisher.aclose()
+        await hub.close()
+
+
+async def test_the_batched_re_read_wakes_waiters_whose_future_finished_or_vanished_without_a_message(
+        client: aioredis.Redis) -> None:
+    keys = test_keys()
+    hub = FutureHub(client, keys)  # not started: only the re-read can wake anyone
+    try:
+        await client.hset(keys.future("done"), mapping={"status": "completed"})
+        await client.hset(keys.future("busy"), mapping={"status": "running"})
+        done, busy, gone = hub.register("done"), hub.register("busy"), hub.register("gone")
+        assert await hub.recheck() == 2
+        assert done.woken.is_set() and gone.woken.is_set() and not busy.woken.is_set()
+    finally:
+        await client.delete(keys.future("done"), keys.future("busy"))
+
+
+async def test_a_wake_up_lost_while_the_broker_was_down_is_found_after_it_returns(tmp_path: Path) -> None:
+    broker = PrivateRedis(tmp_path)
+    broker.start()
+    keys = test_keys()
+    r = aioredis.Redis.from_url(broker.url)
+    hub = await started(r, keys)
+    try:
+        await r.hset(keys.future("slow"), mapping={"status": "running"})
+        waiter = hub.register("slow")
+        await asyncio.to_thread(broker.outage, 1.0)  # an empty Redis comes back: the message is never sent
+        began = time.monotonic()
+        await asyncio.wait_for(hub.subscribed.wait(), 10)
+        await asyncio.wait_for(waiter.woken.wait(), 10)  # its record vanished: the poll's own read decides
+        assert time.monotonic() - began < 10
+        assert hub.reconnects >= 1
+        fresh = hub.register("fresh")
+        await r.publish(keys.done_channel("fresh"), "completed")
+        await asyncio.wait_for(fresh.woken.wait(), 2)
+    finally:
+        await hub.close()
+        await r.aclose()
+        broker.kill()

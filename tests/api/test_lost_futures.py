@@ -101,3 +101,36 @@ async def test_a_running_future_its_worker_reports_is_kept(r: aioredis.Redis, ke
 async def test_a_record_from_the_current_broker_is_left_alone(r: aioredis.Redis, keys: Keys) -> None:
     record = await stored(r, keys, run_id=NEW_RUN)
     assert (await LostFutures(r, keys).check(record, NEW_RUN)).status == FutureStatus.QUEUED
+
+
+async def test_a_queued_message_its_worker_holds_in_memory_survives_and_one_nobody_holds_is_lost(
+        r: aioredis.Redis, keys: Keys) -> None:
+    # Delivered just before the broker went away: in no queue and no unacked hash, but prefetched by its worker.
+    restarted = time.time() - 5
+    held, gone = await stored(r, keys), await stored(r, keys)
+    lost = LostFutures(r, keys)
+    beat = keys.pool_heartbeat(held.queue)
+    await r.set(beat, json.dumps({"t": restarted - 1, "held": [held.request_id]}), ex=60)  # from the old broker
+    assert (await lost.check(held, NEW_RUN, broker_started_at=restarted)).status == FutureStatus.QUEUED
+    assert await r.hget(keys.future(held.request_id), "broker_run_id") == OLD_RUN.encode()  # undecided yet
+    await r.set(beat, json.dumps({"t": time.time(), "held": [held.request_id]}), ex=60)
+    assert (await lost.check(held, NEW_RUN, broker_started_at=restarted)).status == FutureStatus.QUEUED
+    assert await r.hget(keys.future(held.request_id), "broker_run_id") == NEW_RUN.encode()
+    assert (await lost.check(gone, NEW_RUN, broker_started_at=restarted)).code == "request_lost"
+
+
+async def test_a_queued_future_whose_worker_restarted_after_it_was_submitted_is_lost_unless_found(
+        r: aioredis.Redis, keys: Keys) -> None:
+    # A worker killed or frozen between popping a message and recording it as unacked took it along.
+    restarted = time.time() + 1  # the records below were submitted before this worker started
+    gone, requeued = await stored(r, keys, run_id=NEW_RUN), await stored(r, keys, run_id=NEW_RUN)
+    await r.rpush(requeued.queue, f'{{"headers": {{"id": "{requeued.request_id}"}}}}')
+    await r.expire(requeued.queue, 60)
+    lost = LostFutures(r, keys)
+    beat = keys.pool_heartbeat(gone.queue)
+    await r.set(beat, json.dumps({"t": restarted + 1, "held": [], "since": restarted}), ex=60)
+    assert (await lost.check(requeued, NEW_RUN)).status == FutureStatus.QUEUED
+    assert (await lost.check(gone, NEW_RUN)).code == "request_lost"
+    await r.set(beat, json.dumps({"t": time.time(), "held": [], "since": time.time() - 3600}), ex=60)
+    fresh = await stored(r, keys, run_id=NEW_RUN)  # submitted to a worker that was already running
+    assert (await lost.check(fresh, NEW_RUN)).status == FutureStatus.QUEUED

@@ -1,11 +1,16 @@
-"""Every cookbook example runs for 2 steps against a server launched from the cookbook's own configs.
+"""Every cookbook example runs for 2 steps against a server launched from the cookbook's own configs, both
+started and run the way the README's Cookbook section prints them.
 
-Two servers: the mock backend (cookbook/client/server/mock/server_config.yaml) for the Tinker examples whose
-data need no chat template on the server, and the tiny transformers setup (server_config_e2e.yaml: text and
-vision models, sampler and processor pools) for the rest. Each example runs as a subprocess, the way a user
-runs it; up to three run at once, and the ones that read earlier checkpoints (sample.py, --resume latest)
-start after the examples that write them. Each test then checks its example: exit status 0, a printed
-metric on a step line, and every checkpoint path it printed listed by the server for the example's key.
+Two servers: the mock backend (`twinkle-server launch -c cookbook/client/server/mock/server_config.yaml`) for
+the Tinker examples whose data need no chat template on the server, and the tiny transformers setup (`bash
+cookbook/client/server/transformer/run.sh server_config_e2e.yaml`: text and vision models, sampler and
+processor pools) for the rest. The servers get only the settings the configs and run.sh document (port,
+checkpoint dir, where the tiny models are). Each example runs as a subprocess from the repository root with
+no Twinkle setting but the server's address (and, for the modelscope/ variants, the token and model names
+they document), so an example that needs more than the README says fails here. Up to three run at once; the
+ones that read earlier checkpoints (sample.py, --resume latest) start after the examples that write them.
+Only the selected examples (and what they depend on) run. Each test then checks its example: exit status 0,
+a printed metric on a step line, and every checkpoint path it printed listed by the server for its key.
 """
 
 from __future__ import annotations
@@ -20,11 +25,9 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from tests.harness import LaunchedServer, free_port
 from twinkle.tiny_model import ensure_tiny_model
@@ -34,7 +37,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 COOKBOOK = REPO / "cookbook" / "client"
 DATA = REPO / "cookbook" / "data"
-API_KEY = "tml-cookbook-ci"  # one key per server, so sample.py finds the checkpoints of the others
+API_KEY = "tml-cookbook"  # the examples' default key, so sample.py finds the checkpoints of the others
 EXAMPLE_TIMEOUT = 600
 CHECKPOINT = re.compile(
     r"(?:tinker|twinkle)://(?P<run>[^/\s]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^\s'\"]+)"
@@ -124,14 +127,18 @@ class Run:
 
 
 class CookbookServer(LaunchedServer):
-    """A server launched from a cookbook config as users run it: on the embedded broker that `launch` starts
-    (so no other test's Redis database is shared), with only the port and checkpoint dir changed."""
+    """A server started by the README's command (`command`, run from the repository root) on the embedded
+    broker that `launch` starts, so no other test's Redis database is shared."""
+
+    command: list[str] = []
 
     def start(self, timeout: float = 240) -> None:
-        self.config_path.write_text(yaml.safe_dump(self.config))
-        env = dict(os.environ, TWINKLE_LOG_LEVEL="INFO", PYTHONUNBUFFERED="1", **self.env)
+        venv_bin = str(Path(sys.executable).parent)  # where `twinkle-server` is, as after `. .venv/bin/activate`
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "twinkle.server", "launch", "-c", str(self.config_path)],
+            self.command,
+            cwd=REPO,
             stdout=self.log_path.open("wb"),
             stderr=subprocess.STDOUT,
             env=env,
@@ -147,12 +154,32 @@ class CookbookServer(LaunchedServer):
             time.sleep(0.2)
 
 
-def cookbook_server(tmp: Path, config_file: Path, env: dict[str, str]) -> CookbookServer:
-    config: dict[str, Any] = yaml.safe_load(config_file.read_text())
-    assert "broker" not in config, "the cookbook configs run on the embedded broker"
-    config["http_options"]["port"] = free_port()
-    config["storage"]["checkpoint_dir"] = str(tmp / "checkpoints")
-    return CookbookServer(config, tmp / "server.yaml", tmp / "server.log", env=env)
+def cookbook_server(tmp: Path, command: list[str], env: dict[str, str]) -> CookbookServer:
+    """The server `command` starts, with the port and checkpoint dir the cookbook configs read from the
+    environment (TWINKLE_PORT, TWINKLE_CHECKPOINT_DIR)."""
+    port = free_port()
+    server_env = {**env, "TWINKLE_PORT": str(port), "TWINKLE_CHECKPOINT_DIR": str(tmp / "checkpoints")}
+    server = CookbookServer({"http_options": {"port": port}}, tmp / "unused.yaml", tmp / "server.log",
+                            env=server_env)
+    server.command = command
+    return server
+
+
+def selected_examples(request: pytest.FixtureRequest) -> list[Example]:
+    """The examples whose tests this session runs, with the examples they depend on, in EXAMPLES order."""
+    wanted = {
+        item.callspec.params["example"].path
+        for item in request.session.items
+        if getattr(item, "callspec", None) is not None and isinstance(item.callspec.params.get("example"), Example)
+    }
+    by_path = {example.path: example for example in EXAMPLES}
+    pending = list(wanted)
+    while pending:
+        for dependency in by_path[pending.pop()].after:
+            if dependency not in wanted:
+                wanted.add(dependency)
+                pending.append(dependency)
+    return [example for example in EXAMPLES if example.path in wanted]
 
 
 @pytest.fixture(scope="module")
@@ -163,18 +190,18 @@ def model_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="module")
 def servers(
-    tmp_path_factory: pytest.TempPathFactory, model_dirs: dict[str, str]
+    tmp_path_factory: pytest.TempPathFactory, model_dirs: dict[str, str], request: pytest.FixtureRequest
 ) -> Iterator[dict[str, CookbookServer]]:
-    env = {**model_dirs, "OMP_NUM_THREADS": "1"}
+    env = {**model_dirs, "OMP_NUM_THREADS": "1"}  # TWINKLE_MODEL_DIR: run.sh's and the configs' documented knob
+    commands = {
+        "mock": ["twinkle-server", "launch", "-c", "cookbook/client/server/mock/server_config.yaml"],
+        "transformers": ["bash", "cookbook/client/server/transformer/run.sh", "server_config_e2e.yaml"],
+    }
+    needed = {example.server for example in selected_examples(request)}
     launched = {
-        "mock": cookbook_server(
-            tmp_path_factory.mktemp("cookbook-mock"), COOKBOOK / "server/mock/server_config.yaml", env
-        ),
-        "transformers": cookbook_server(
-            tmp_path_factory.mktemp("cookbook-hf"),
-            COOKBOOK / "server/transformer/server_config_e2e.yaml",
-            env,
-        ),
+        name: cookbook_server(tmp_path_factory.mktemp(f"cookbook-{name}"), command, env)
+        for name, command in commands.items()
+        if name in needed
     }
     errors: list[BaseException] = []
 
@@ -199,8 +226,17 @@ def servers(
 
 
 @pytest.fixture(scope="module")
-def runs(servers: dict[str, CookbookServer], model_dirs: dict[str, str]) -> Iterator[dict[str, Future[Run]]]:
-    """Every example, started at once (three at a time); a test waits only for its own."""
+def runs(
+    servers: dict[str, CookbookServer], request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[Run]]]:
+    """The selected examples, started at once (three at a time); a test waits only for its own."""
+    # Nothing of the test run's own setup reaches an example: only what the README tells a user to set.
+    clean = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("TWINKLE_", "TINKER_", "MODELSCOPE_"))
+    }
+    tokenizer_cache = str(tmp_path_factory.mktemp("tokenizer-cache"))
     pool = ThreadPoolExecutor(max_workers=3)
     futures: dict[str, Future[Run]] = {}
 
@@ -209,18 +245,17 @@ def runs(servers: dict[str, CookbookServer], model_dirs: dict[str, str]) -> Iter
             futures[dependency].result()
         server = servers[example.server]
         env = {
-            **os.environ,
-            **model_dirs,
-            "TWINKLE_SERVER_URL": server.base_url,
-            "TWINKLE_SERVER_TOKEN": API_KEY,
-            "MODELSCOPE_TOKEN": API_KEY,
-            "TWINKLE_BASE_MODEL": "tiny-qwen",
-            "TWINKLE_VL_BASE_MODEL": "tiny-vl",
+            **clean,
+            "TWINKLE_SERVER_URL": server.base_url,  # --base-url: the servers here do not listen on 8000
+            "TWINKLE_TOKENIZER_CACHE": tokenizer_cache,  # the tokenizers examples download stay in the test
             "PYTHONUNBUFFERED": "1",
             "PYTHONFAULTHANDLER": "1",  # a crash (once seen: SIGABRT at exit) prints every thread's stack
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
+        if "/modelscope/" in example.path:  # what hosted.py documents, pointed at the tiny models
+            env.update({"MODELSCOPE_TOKEN": API_KEY, "TWINKLE_BASE_MODEL": "tiny-qwen",
+                        "TWINKLE_VL_BASE_MODEL": "tiny-vl"})
         command = [sys.executable, str(COOKBOOK / example.path), "--max-steps", "2", *example.args]
         try:
             done = subprocess.run(
@@ -232,7 +267,7 @@ def runs(servers: dict[str, CookbookServer], model_dirs: dict[str, str]) -> Iter
             )
         return Run(example, done.returncode, done.stdout + done.stderr)
 
-    for example in EXAMPLES:  # dependencies are listed first, so they are running when a dependent waits
+    for example in selected_examples(request):  # dependencies come first: running when a dependent waits
         futures[example.path] = pool.submit(run, example)
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)

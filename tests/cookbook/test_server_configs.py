@@ -39,9 +39,28 @@ def test_every_documented_config_file_exists() -> None:
     }
 
 
+@pytest.fixture
+def built_models(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory holding ./models/tiny-{qwen,vl}, as run.sh builds them, as the current directory."""
+    (tmp_path / "models").mkdir()
+    for name in ("tiny-qwen", "tiny-vl"):  # check-config looks for a model directory, not inside it
+        (tmp_path / "models" / name).symlink_to(tiny_model_dir)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(path.relative_to(SERVER_DIR)) for path in CONFIGS])
-def test_check_config_accepts_the_file_even_without_megatron_or_a_gpu(path: Path) -> None:
+def test_check_config_accepts_the_file_even_without_megatron_or_a_gpu(path: Path, built_models: Path) -> None:
     assert main(["check-config", "-c", str(path)]) == 0
+
+
+def test_check_config_says_how_to_build_the_tiny_model_before_it_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+
+    assert main(["check-config", "-c", str(SERVER_DIR / "mock" / "server_config.yaml")]) == 2
+    assert "twinkle-server build-tiny-model ./models/tiny-qwen" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(path.relative_to(SERVER_DIR)) for path in CONFIGS])

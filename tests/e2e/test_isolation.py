@@ -124,6 +124,14 @@ def id_routes(a: Tenant, b: Tenant) -> list[tuple[str, str, str, Any]]:
         ("DELETE", "/training_runs/{run_id}/checkpoints/{checkpoint_id}",
          f"/training_runs/{run}/checkpoints/{ck}", None),
         ("POST", "/weights_info", "/weights_info", {"tinker_path": a.checkpoint}),
+        ("POST", "/save_weights_external", "/save_weights_external", {"model_id": run, "path": "stolen"}),
+        ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id}/external_weights_urls",
+         f"/training_runs/{run}/checkpoints/{ck}/external_weights_urls", None),
+        ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id}/archive",
+         f"/training_runs/{run}/checkpoints/{ck}/archive", None),
+        ("POST", "/copy_weights", "/copy_weights", {"source_path": a.checkpoint, "destination_project_id": "p"}),
+        ("POST", "/copy_weights", "/copy_weights",
+         {"source_path": b.checkpoint, "session_id": a.session_id, "model_seq_id": 7}),
         ("POST", "/twinkle/configure", "/twinkle/configure", {"model_id": run}),
         ("POST", "/twinkle/forward_backward", "/twinkle/forward_backward",
          {"model_id": run, "inputs": [{"input_ids": [1, 2], "labels": [1, 2]}]}),
@@ -153,6 +161,16 @@ ID_FREE = {
 }
 
 
+# Download routes take no key: a signed URL is the credential (tests/e2e/test_weight_export.py, and below).
+SIGNED = {("GET", "/downloads/{run_id}/{kind}/{name}/files/{file_path}"),
+          ("GET", "/downloads/{run_id}/{kind}/{name}/archive.tar")}
+
+
+# OpenAI-compatible routes (outside /api/v1, errors in OpenAI's shape): another key's adapter is a 404 there too,
+# tested with the openai client in tests/e2e/test_openai_endpoint.py.
+OPENAI = {("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")}
+
+
 def request(c: httpx.Client, method: str, path: str, body: Any) -> httpx.Response:
     return c.request(method, path, json=body) if body is not None else c.request(method, path)
 
@@ -161,7 +179,7 @@ def test_every_route_is_in_the_isolation_table(server: LaunchedServer, alice: Te
     spec = httpx.get(server.base_url + "/openapi.json").json()
     routes = {(method.upper(), path.removeprefix("/api/v1").replace("{checkpoint_id:path}", "{checkpoint_id}"))
               for path, methods in spec["paths"].items() for method in methods}
-    covered = {(m, template) for m, template, _, _ in id_routes(alice, bob)} | ID_FREE
+    covered = {(m, template) for m, template, _, _ in id_routes(alice, bob)} | ID_FREE | SIGNED | OPENAI
     assert routes - covered == set(), "add these routes to the isolation table"
 
 
@@ -184,6 +202,19 @@ def test_another_key_gets_404_from_every_route_for_the_first_keys_ids(server: La
         assert owner.post("/weights_info", json={"tinker_path": alice.checkpoint}).status_code == 200
         assert "metrics" in wait(owner, owner.post("/forward_backward", json=fb_body(
             alice.model_id, [datum([1, 2, 3])])).json()["request_id"])
+
+
+def test_a_download_url_signed_for_one_key_does_not_open_another_keys_checkpoint(
+        server: LaunchedServer, alice: Tenant, bob: Tenant) -> None:
+    with server.client(bob.key) as c:
+        own_run, own_ck = bob.checkpoint.removeprefix("tinker://").split("/", 1)
+        own = c.get(f"/training_runs/{own_run}/checkpoints/{own_ck}/archive").headers["Location"]
+    alice_run = alice.checkpoint.removeprefix("tinker://").split("/")[0]
+    stolen = own.replace(own_run, alice_run)  # bob's valid signature, alice's checkpoint
+    assert httpx.get(stolen).status_code == 403
+    unsigned = own.split("?")[0].replace(own_run, alice_run) + f"?tenant={alice.tenant}"
+    assert httpx.get(unsigned).status_code == 403
+    assert httpx.get(own).status_code == 200
 
 
 def test_listings_show_only_the_callers_own_things(server: LaunchedServer, alice: Tenant, bob: Tenant) -> None:
@@ -308,3 +339,16 @@ def _within(seconds: float, condition: Any) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_get_server_capabilities_needs_a_valid_key_when_keys_are_configured(server: LaunchedServer,
+                                                                           alice: Tenant) -> None:
+    for headers in ({}, {"X-API-Key": "tml-not-a-key"}):
+        r = httpx.get(server.api + "/get_server_capabilities", headers=headers)
+        assert r.status_code == 401 and r.json()["code"] == "unauthenticated", (headers, r.text)
+    r = httpx.get(server.api + "/get_server_capabilities", headers={"X-API-Key": alice.key})
+    assert r.status_code == 200 and r.json()["supported_models"][0]["model_name"] == "tiny-qwen"
+
+
+def test_get_server_capabilities_stays_open_in_development_mode(mock_server: LaunchedServer) -> None:
+    assert httpx.get(mock_server.api + "/get_server_capabilities").status_code == 200

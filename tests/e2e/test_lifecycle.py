@@ -26,8 +26,9 @@ KEY = "tml-lifecycle"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[LaunchedServer]:
+    # paging off: max_loras is a hard limit here, so one create too many fails and must leave no trace
     server = launch(tmp_path_factory.mktemp("lifecycle"), tiny_model_dir, db=5, max_loras=MODELS,
-                    adapter_config={"adapter_timeout": ADAPTER_TIMEOUT})
+                    adapter_config={"adapter_timeout": ADAPTER_TIMEOUT, "page_host_mb": 0, "page_disk_mb": 0})
     yield server
     server.stop()
 

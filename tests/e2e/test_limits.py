@@ -109,6 +109,7 @@ def test_try_again_reports_paused_rate_limit_while_the_key_is_over_its_limit(
     with limited_server.client("tml-paused") as c, limited_server.client("tml-calm") as calm:
         model = new_model(c)
         calm_model = new_model(calm)
+        time.sleep(1.05)  # create_model counts against the rate too: the burst below starts a fresh window
         worker = limited_server.worker_pid()
         os.kill(worker, signal.SIGSTOP)  # hold the queue so the futures stay pending
         try:
@@ -141,14 +142,17 @@ def test_per_key_model_limit_holds_under_twenty_concurrent_creates(limited_serve
         created = [a.json()["model_id"] for a in answers if a.status_code == 200]
         refused = [a for a in answers if a.status_code != 200]
         assert len(created) == MODELS_PER_KEY, [a.text for a in answers]
-        assert all(a.status_code == 429 and a.json()["code"] == "limit_exceeded" for a in refused)
-        assert f"already has {MODELS_PER_KEY} active models" in refused[0].json()["error"]
-        assert "Unload a model" in refused[0].json()["error"]
+        # create_model counts against the request rate too: twenty at once hit both limits
+        assert all(a.status_code == 429 and a.json()["code"] in ("limit_exceeded", "rate_limited") for a in refused)
+        over_quota = [a for a in refused if a.json()["code"] == "limit_exceeded"]
+        assert f"already has {MODELS_PER_KEY} active models" in over_quota[0].json()["error"]
+        assert "Unload a model" in over_quota[0].json()["error"]
         assert limited_server.redis.scard(limited_server.keys.owner_models(_tenant(c, created[0]))) == MODELS_PER_KEY
         for answer in answers:
             if answer.status_code == 200:
                 assert "error" not in wait(c, answer.json()["request_id"])
         assert c.post("/create_model", json={"session_id": sid, "base_model": "tiny-qwen"}).status_code == 429
+        time.sleep(1.05)  # the burst's window passes
         unloaded = c.post("/unload_model", json={"model_id": created[0]})
         assert unloaded.status_code == 200
         again = c.post("/create_model", json={"session_id": sid, "base_model": "tiny-qwen", "lora_config": {"rank": 4}})
@@ -187,10 +191,86 @@ def test_the_twinkle_native_routes_are_limited_too(limited_server: LaunchedServe
                                                json={"model_id": model, "inputs": [feature]}))
         assert {r.status_code for r in refused} == {429}
         assert all(r.headers.get("Retry-After") for r in refused)
-        too_long = {"input_ids": list(range(5, 5 + MAX_INPUT + 1)), "labels": list(range(5, 5 + MAX_INPUT + 1))}
+        ids = [(i % 400) + 5 for i in range(MAX_INPUT + 1)]  # in the vocabulary, one token too many
+        too_long = {"input_ids": ids, "labels": ids}
         over = c.post("/twinkle/forward_only", json={"model_id": model, "inputs": [too_long]})
         assert over.status_code == 400 and "input tokens" in over.json()["error"], over.text
         time.sleep(1.1)  # the window passed: served again
         ok = c.post("/twinkle/forward_backward", json={"model_id": model, "inputs": [feature]})
         assert ok.status_code == 200, ok.text
         assert "loss" in wait(c, ok.json()["request_id"])
+
+
+COSTLY: list[tuple[str, Callable[[str, str, str], dict[str, Any]]]] = [
+    ("/save_weights", lambda model, sid, path: {"model_id": model}),
+    ("/save_weights_for_sampler", lambda model, sid, path: {"model_id": model}),
+    ("/load_weights", lambda model, sid, path: {"model_id": model, "path": path}),
+    ("/create_model", lambda model, sid, path: {"session_id": sid, "base_model": "tiny-qwen"}),
+    ("/unload_model", lambda model, sid, path: {"model_id": model}),
+    ("/twinkle/save", lambda model, sid, path: {"model_id": model, "name": "flood"}),
+    ("/twinkle/resume_from_checkpoint", lambda model, sid, path: {"model_id": model, "path": path}),
+]
+
+
+def fill_window(c: httpx.Client, model: str) -> None:
+    """Bursts of optim_step until the key's window is full for at least another 150 ms."""
+    for _ in range(20):
+        with ThreadPoolExecutor(3 * RPS) as pool:
+            answers = list(pool.map(lambda _: optim(c, model), range(3 * RPS)))
+        waits = [int(a.headers["Retry-After-Ms"]) for a in answers if a.status_code == 429]
+        if waits and min(waits) >= 150:
+            return
+    pytest.fail("could not fill the rate window (machine too slow?)")
+
+
+@pytest.mark.parametrize(("path", "body"), COSTLY, ids=[p for p, _ in COSTLY])
+def test_every_costly_route_counts_against_the_keys_rate(limited_server: LaunchedServer, path: str,
+                                                         body: Callable[[str, str, str], dict[str, Any]]) -> None:
+    with limited_server.client(f"tml-costly-{path.strip('/').replace('/', '-')}") as c:
+        model = new_model(c)
+        sid = c.post("/create_session", json={}).json()["session_id"]
+        saved = wait(c, c.post("/save_weights", json={"model_id": model}).json()["request_id"])["path"]
+        fill_window(c, model)
+        r = c.post(path, json=body(model, sid, saved))
+        assert r.status_code == 429 and r.json()["code"] == "rate_limited", r.text
+        assert int(r.headers["Retry-After"]) >= 1
+        time.sleep(int(r.headers["Retry-After-Ms"]) / 1000 + 0.05)
+        assert c.post(path, json=body(model, sid, saved)).status_code == 200  # and served once it fits
+
+
+def test_a_key_flooding_saves_gets_429_while_another_key_saves_freely(limited_server: LaunchedServer) -> None:
+    with limited_server.client("tml-save-flood") as c, limited_server.client("tml-save-calm") as calm:
+        model, calm_model = new_model(c), new_model(calm)
+        worker = limited_server.worker_pid()
+        os.kill(worker, signal.SIGSTOP)  # saves stay queued: the key's outstanding saves pile up
+        try:
+            answers = [c.post("/save_weights", json={"model_id": model}) for _ in range(4)]
+            assert [a.status_code for a in answers] == [200, 200, 429, 429], [a.text for a in answers]
+            refused = answers[2].json()
+            assert refused["code"] == "rate_limited" and "2 checkpoint saves queued or running" in refused["error"]
+            assert int(answers[2].headers["Retry-After"]) >= 1
+            assert calm.post("/save_weights", json={"model_id": calm_model}).status_code == 200
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        for answer in answers[:2]:
+            assert "path" in wait(c, answer.json()["request_id"])
+        time.sleep(1.05)
+        again = c.post("/save_weights", json={"model_id": model})  # the saves ended: room again
+        assert again.status_code == 200, again.text
+
+
+def test_the_tinker_sdk_retries_saves_refused_by_the_cap_and_every_one_completes(
+        limited_server: LaunchedServer) -> None:
+    import tinker
+
+    service = tinker.ServiceClient(base_url=limited_server.base_url, api_key="tml-sdk-saves")
+    training = service.create_lora_training_client(base_model="tiny-qwen", rank=4).result()
+    worker = limited_server.worker_pid()
+    os.kill(worker, signal.SIGSTOP)  # the first saves stay queued, so the later ones meet the cap
+    try:
+        futures = [training.save_state(f"pipelined-{i}") for i in range(5)]
+        time.sleep(2)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    paths = [f.result(timeout=120).path for f in futures]
+    assert paths == [f"tinker://{training.model_id}/weights/pipelined-{i}" for i in range(5)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,10 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from tests.e2e.test_foundation import datum, fb_body, new_model, wait
 from tests.harness import LaunchedServer, free_port, mock_config
+from tests.private_redis import PrivateRedis
 from twinkle.records import ModelRecord
 
 pytestmark = pytest.mark.e2e
@@ -35,36 +34,6 @@ def eventually(condition: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-class PrivateRedis:
-    """A redis-server on a free port that a test may kill and start again."""
-
-    def __init__(self, directory: Path) -> None:
-        self.port = free_port()
-        self.directory = directory
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        eventually(self._answers, 10, "redis-server to start")
-
-    def _answers(self) -> bool:
-        try:
-            return bool(redis.Redis(port=self.port, socket_connect_timeout=0.2).ping())
-        except redis.RedisError:
-            return False
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
 
 
 def private_server(tmp: Path, model_dir: Path, **kw: Any) -> tuple[LaunchedServer, PrivateRedis]:

@@ -48,7 +48,8 @@ def telemetry_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     url = f"redis://{REDIS_HOST}:{REDIS_PORT}/{DB}"
     redis.Redis.from_url(url).flushdb()
     raw = mock_config(tiny_model_dir, tmp_path_factory.mktemp("telemetry") / "checkpoints", port=0, db=DB,
-                      max_loras=1, queue_config={"max_input_tokens": MAX_INPUT_TOKENS})
+                      max_loras=1, queue_config={"max_input_tokens": MAX_INPUT_TOKENS},
+                      adapter_config={"page_host_mb": 0, "page_disk_mb": 0})  # no paging: a 2nd create fails
     raw["telemetry"] = {"enabled": True, "service_name": "twinkle-test"}
     config = parse_config(raw)
     spans = InMemorySpanExporter()

@@ -94,3 +94,16 @@ def test_a_bare_hash_file_written_by_hand_still_reads(tmp_path: Path) -> None:
     keys_file.write_text(f"# ops team\n{hash_key('tml-a')}\n\n{hash_key('tml-b').upper()}  # bob\n")
     assert read_keys_file(keys_file) == {hash_key("tml-a"), hash_key("tml-b")}
     assert [e.label for e in read_entries(keys_file)] == ["", ""]
+
+
+def test_an_admin_key_is_accepted_and_marked_while_tenant_keys_are_not() -> None:
+    checker = KeyChecker({hash_key("tenant-key")}, admin_hashes={hash_key("operator-key")})
+    assert checker.tenant_for("operator-key") == tenant_id("operator-key")
+    assert checker.is_admin("operator-key")
+    assert not checker.is_admin("tenant-key") and not checker.is_admin(None)
+    assert not checker.dev_mode
+
+
+def test_development_mode_makes_nobody_an_admin() -> None:
+    checker = KeyChecker(set())
+    assert checker.dev_mode and not checker.is_admin("anything")

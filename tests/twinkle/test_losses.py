@@ -181,3 +181,120 @@ def test_validate_loss_accepts_well_formed_batches_including_top_k_targets() -> 
 def test_empty_batch_is_rejected() -> None:
     with pytest.raises(InvalidRequest, match="no datums"):
         losses.validate_loss("cross_entropy", [], {})
+
+
+def _gspo_reference(lp: np.ndarray, old: np.ndarray, adv: np.ndarray, mask: np.ndarray,
+                    low: float = 0.8, high: float = 1.2) -> tuple[float, np.ndarray]:
+    """The Tinker docs' GSPO-token, written out for one datum: (loss, dloss/dlp)."""
+    seq_ratio = np.exp((lp - old)[mask != 0].mean())
+    objective = np.minimum(seq_ratio * adv, np.clip(seq_ratio, low, high) * adv)
+    # d(s_t)/d(lp_t) = s (value of the sequence ratio, gradient of the token's own logprob); the clipped
+    # branch is flat outside [low, high].
+    clipped_wins = np.clip(seq_ratio, low, high) * adv < seq_ratio * adv
+    return float(-objective.sum()), np.where(clipped_wins, 0.0, -seq_ratio * adv)
+
+
+def test_gspo_follows_the_documented_sequence_ratio_per_datum() -> None:
+    rng = np.random.default_rng(3)
+    lengths = [5, 7]
+    lp = rng.uniform(-3, -0.1, sum(lengths))
+    old = lp + rng.uniform(-0.3, 0.3, lp.size)
+    adv = np.repeat(rng.normal(size=2), lengths)
+    mask = (rng.random(lp.size) > 0.3).astype(np.float32)
+    mask[0] = mask[5] = 1.0
+    inputs = {"target_tokens": np.zeros(lp.size, np.int64), "logprobs": old, "advantages": adv,
+              "sequence_ratio_mask": mask}
+
+    result = losses.elementwise_loss_and_grad("gspo", lp, inputs, {}, segments=lengths)
+
+    expected = [_gspo_reference(lp[a:b], old[a:b], adv[a:b], mask[a:b]) for a, b in ((0, 5), (5, 12))]
+    assert result.loss.sum() == pytest.approx(sum(loss for loss, _ in expected))
+    np.testing.assert_allclose(result.dloss_dlp, np.concatenate([grad for _, grad in expected]), rtol=1e-12)
+    # One sequence ratio over both datums would be a different number: the ratio really is per datum.
+    joint = losses.elementwise_loss_and_grad("gspo", lp, inputs, {})
+    assert joint.loss.sum() != pytest.approx(result.loss.sum())
+
+
+def test_gspo_clips_whole_sequences_and_defaults_its_mask_to_the_trained_positions() -> None:
+    # Prompt positions: advantage 0 and a padded sampling logprob of 0, which must not enter the ratio.
+    lp = np.array([-5.0, -4.0, -1.0, -1.0])
+    old = np.array([0.0, 0.0, -1.5, -1.5])  # sequence ratio e^0.5 ≈ 1.65, outside [0.8, 1.2]
+    adv = np.array([0.0, 0.0, 1.0, 1.0])
+    inputs = {"target_tokens": np.zeros(4, np.int64), "logprobs": old, "advantages": adv}
+
+    result = losses.elementwise_loss_and_grad("gspo", lp, inputs, None)
+
+    np.testing.assert_allclose(result.loss, [0.0, 0.0, -1.2, -1.2])  # clipped at 1.2, whole sequence
+    np.testing.assert_array_equal(result.dloss_dlp, np.zeros(4))
+    assert result.metrics == {"clipped_tokens:sum": 2.0}
+    wide = losses.elementwise_loss_and_grad("gspo", lp, inputs, {"clip_high_threshold": 2.0})
+    np.testing.assert_allclose(wide.dloss_dlp, [0.0, 0.0, -np.exp(0.5), -np.exp(0.5)])
+
+
+def _stable_reinforce_reference(lp: np.ndarray, old: np.ndarray, adv: np.ndarray, kl_coeff: float,
+                                low: float = 0.5, high: float = 2.0) -> float:
+    """The loss at lp with the importance weight held at its value for `old`: what stopgrad means."""
+    ratio = np.exp(lp - old)
+    weight = np.where((ratio >= low) & (ratio <= high), ratio * adv, 0.0)
+    sampled = (adv != 0) | (old != 0)
+    return float(-(weight * lp).sum() + kl_coeff * np.where(sampled, ratio - 1 - (lp - old), 0.0).sum())
+
+
+def test_stable_reinforce_follows_its_formula_and_drops_tokens_outside_the_trust_region() -> None:
+    lp = np.array([-3.0, -1.0, -1.0, -0.2, -2.0])
+    old = np.array([0.0, -1.1, -0.9, -2.0, -2.5])  # ratios: prompt, 0.90, 1.11, 6.05 (dropped), 1.65
+    adv = np.array([0.0, 1.0, -1.0, 1.0, 0.5])
+    inputs = {"target_tokens": np.zeros(5, np.int64), "logprobs": old, "advantages": adv}
+    config = {"kl_coeff": 0.1}
+
+    loss, grad, metrics = losses.loss_and_grad("stable_reinforce", lp, inputs, config)
+
+    assert loss == pytest.approx(_stable_reinforce_reference(lp, old, adv, 0.1))
+    ratio = np.exp(lp - old)
+
+    def held(x: np.ndarray) -> float:  # the weight frozen at lp, the KL term free
+        weight = np.where((ratio >= 0.5) & (ratio <= 2.0), ratio * adv, 0.0)
+        kl = np.exp(x - old) - 1 - (x - old)
+        return float(-(weight * x).sum() + 0.1 * np.where((adv != 0) | (old != 0), kl, 0.0).sum())
+
+    np.testing.assert_allclose(grad, _finite_difference(held, lp), rtol=1e-6, atol=1e-8)
+    assert grad[0] == 0.0  # a prompt position is neither trained nor in the KL term
+    assert grad[3] == pytest.approx(0.1 * (ratio[3] - 1))  # dropped: only the KL pull remains
+    assert metrics == {"clipped_tokens:sum": 1.0}
+
+
+def test_stable_reinforce_without_kl_is_importance_sampling_inside_the_trust_region() -> None:
+    rng = np.random.default_rng(4)
+    lp = rng.uniform(-3, -0.1, T)
+    inputs = _inputs(rng, lp)  # ratios within e^±0.5, inside [0.5, 2]
+
+    _, grad, metrics = losses.loss_and_grad("stable_reinforce", lp, inputs, {})
+    _, is_grad, _ = losses.loss_and_grad("importance_sampling", lp, inputs, {})
+
+    np.testing.assert_allclose(grad, is_grad)
+    assert metrics == {"clipped_tokens:sum": 0.0}
+
+
+def test_every_server_side_loss_the_sdk_names_is_implemented_or_refused_with_a_way_out() -> None:
+    from typing import get_args
+
+    from tinker.types import LossFnType
+
+    names = set(get_args(LossFnType))
+    assert names - {"custom"} <= set(losses.LOSS_FUNCTIONS)
+    with pytest.raises(InvalidRequest, match="not supported") as error:
+        losses.validate_loss("custom", [_datum(2, target_tokens=[1, 2])], {"loss_id": "x"})
+    assert "forward_backward_custom" in str(error.value.to_dict())
+
+
+def test_stable_reinforce_and_gspo_validate_their_config() -> None:
+    datum = _datum(2, target_tokens=[1, 2], logprobs=[-1.0, -1.0], advantages=[1.0, 0.0])
+
+    with pytest.raises(InvalidRequest, match="kl_coeff must be >= 0"):
+        losses.validate_loss("stable_reinforce", [datum], {"kl_coeff": -1.0})
+    with pytest.raises(InvalidRequest, match="accepted keys: clip_low_threshold, clip_high_threshold, kl_coeff"):
+        losses.validate_loss("stable_reinforce", [datum], {"beta": 0.1})
+    with pytest.raises(InvalidRequest, match="sequence_ratio_mask has shape"):
+        losses.validate_loss("gspo", [_datum(2, target_tokens=[1, 2], logprobs=[-1.0, -1.0],
+                                                advantages=[1.0, 0.0], sequence_ratio_mask=[1.0])], None)
+    losses.validate_loss("stable_reinforce", [datum], {"kl_coeff": 0.01, "clip_high_threshold": 3})

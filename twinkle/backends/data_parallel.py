@@ -166,6 +166,29 @@ class DataParallelBackend:
         # one answer per shard: the first rank of each (its tensor-parallel peers computed the same)
         return merge_outputs(results[:: self._ranks_per_shard])
 
+    def fused_solo_reason(self, adapter_id: str, batch: ForwardBackwardInput) -> str | None:
+        """Whether the call can share a fused pass (`workers.clock`): rank 0's replica answers for all."""
+        if self.spmd:
+            return "SPMD backends run one call at a time"
+        reason: str | None = self.ranks.call(0, "fused_solo_reason", adapter_id, batch)
+        return reason
+
+    def run_fused(self, calls: Sequence[tuple[str, ForwardBackwardInput, bool]]
+                  ) -> list[ForwardBackwardOutput | Exception]:
+        """Several adapters' calls as one fused pass per rank: every call is sharded as it would be alone, and
+        each rank runs its shards of all calls together; each call's shards merge back as alone."""
+        shards = [split_batch(batch, self.dp_size) for _, batch, _ in calls]
+        per_rank = [([(adapter_id, shards[index][rank // self._ranks_per_shard], backward)
+                      for index, (adapter_id, _, backward) in enumerate(calls)],)
+                    for rank in range(self.ranks.size)]
+        results = self.ranks.call_all("run_fused_shards", per_rank)[:: self._ranks_per_shard]
+        outcomes: list[ForwardBackwardOutput | Exception] = []
+        for index in range(len(calls)):
+            parts = [rank_results[index] for rank_results in results]
+            error = next((part for part in parts if isinstance(part, Exception)), None)
+            outcomes.append(error if error is not None else merge_outputs(parts))
+        return outcomes
+
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
         results: list[dict[str, float]] = self._everywhere("optim_step", adapter_id, params)
         return results[0]

@@ -34,7 +34,8 @@ from twinkle.backends.mock_model import (
     save_adapter,
     target_logprobs,
 )
-from twinkle.errors import InvalidRequest, LimitExceeded, NotFound
+from twinkle.backends.paging import AdapterPager, PagedAdapter, PagingBudget
+from twinkle.errors import InvalidRequest, NotFound
 from twinkle.samplers.mock import BigramSampling
 from twinkle.types import (
     AdamParams,
@@ -93,6 +94,7 @@ class MockBackend:
         *,
         max_loras: int = 8,
         max_length: int | None = None,
+        paging: PagingBudget | None = None,
     ) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {max_loras}.")
@@ -101,34 +103,48 @@ class MockBackend:
         self.max_loras = max_loras
         self._base = BigramBase.build(self.info.vocab_size)
         self._sampling = BigramSampling(self._base, self.info, source.directory)
-        self._adapters: dict[str, _Adapter] = {}
+        self._adapters: dict[str, _Adapter] = {}  # the resident ones; the pager keeps the others
+        self.pager = AdapterPager(self, max_loras, paging or PagingBudget())
 
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
-        if adapter_id in self._adapters:
+        if adapter_id in self.pager:
             raise InvalidRequest(f"Adapter {adapter_id!r} already exists on this backend.")
-        if len(self._adapters) >= self.max_loras:
-            raise LimitExceeded(
-                f"All {self.max_loras} LoRA slots of this model replica are in use "
-                f"({len(self._adapters)} adapters loaded).",
-                hint="Unload an adapter you no longer need, or retry when another tenant's adapter expires.",
-                max_loras=self.max_loras,
-            )
         if spec.rank < 1:
             raise InvalidRequest(f"LoRA rank must be at least 1, got {spec.rank}.")
         if spec.seed is not None and spec.seed < 0:
             raise InvalidRequest(f"LoRA seed must be a non-negative integer, got {spec.seed}.")
         if not 0 <= spec.dropout < 1:
             raise InvalidRequest(f"LoRA dropout must be in [0, 1), got {spec.dropout}.")
+        self.pager.admit(adapter_id)
         rng = np.random.default_rng(_adapter_seed(adapter_id, spec.seed))
         lora = LoraWeights.fresh(self._base, spec.rank, spec.alpha or _DEFAULT_ALPHA, rng)
         optimizer = _AdamState(LoraGrads.zeros_like(lora), LoraGrads.zeros_like(lora))
         self._adapters[adapter_id] = _Adapter.build(self._base, spec, lora, rng, optimizer)
+        self.pager.added(adapter_id)
 
     def remove_adapter(self, adapter_id: str) -> None:
+        self.pager.forget(adapter_id)
         self._adapters.pop(adapter_id, None)
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self._adapters
+        return adapter_id in self.pager
+
+    def page_out(self, adapter_id: str) -> PagedAdapter:
+        """The adapter's whole state: it already lives in host memory, so paging out moves no bytes here."""
+        adapter = self._adapters.pop(adapter_id)
+        arrays = [adapter.lora.down, adapter.lora.up, adapter.grads.down, adapter.grads.up,
+                  adapter.optimizer.exp_avg.down, adapter.optimizer.exp_avg.up,
+                  adapter.optimizer.exp_avg_sq.down, adapter.optimizer.exp_avg_sq.up]
+        return PagedAdapter(adapter, sum(int(array.nbytes) for array in arrays))
+
+    def page_in(self, adapter_id: str, paged: PagedAdapter) -> None:
+        self._adapters[adapter_id] = paged.state
+
+    def resident_adapters(self) -> list[str]:
+        return self.pager.resident_ids()
+
+    def paging_stats(self) -> dict[str, float]:
+        return self.pager.stats.as_dict()
 
     def forward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
         return self._run(self._adapter(adapter_id), batch, train=False)
@@ -226,6 +242,7 @@ class MockBackend:
         return [self._sampling.sample(lora, request) for request in requests]
 
     def _adapter(self, adapter_id: str) -> _Adapter:
+        self.pager.use(adapter_id)
         adapter = self._adapters.get(adapter_id)
         if adapter is None:
             raise NotFound(f"No adapter {adapter_id!r} is loaded on this backend.")
@@ -243,7 +260,8 @@ class MockBackend:
         lora = None if batch.disable_lora and not train else adapter.lora
         forward = target_logprobs(self._base, lora, prev, target, mask)
         result = losses.elementwise_loss_and_grad(
-            batch.loss_fn, forward.logprobs, inputs, batch.loss_fn_config
+            batch.loss_fn, forward.logprobs, inputs, batch.loss_fn_config,
+            segments=[math.prod(shape) for shape in target_shapes],
         )
         if train:
             accumulate_gradients(self._base, adapter.lora, forward, result.dloss_dlp, adapter.grads)

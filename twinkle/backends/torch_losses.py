@@ -1,8 +1,8 @@
 """Loss functions in torch, over padded batches of per-token target logprobs.
 
-The Tinker losses (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`, `dro`) mirror the numpy
-reference in `twinkle.losses` term for term, metrics included. Twinkle adds two losses that look at a
-reference policy, the base model with the tenant's adapter disabled:
+The Tinker losses (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`, `dro`, `gspo`,
+`stable_reinforce`) mirror the numpy reference in `twinkle.losses` term for term, metrics included.
+Twinkle adds two losses that look at a reference policy, the base model with the tenant's adapter disabled:
 
     dpo   datums come in pairs [chosen_1, rejected_1, chosen_2, ...] of cross-entropy style datums whose
           `weights` mark the completion. With s = Σ w·lp and s_ref the same under the reference,
@@ -133,11 +133,15 @@ def _importance_sampling(batch: LossBatch, config: Mapping[str, float]) -> LossT
     return _masked(batch, -ratio * batch.inputs["advantages"], {})
 
 
-def _clipped_objective(batch: LossBatch, config: Mapping[str, float]) -> tuple[Tensor, Tensor]:
-    """PPO's per-token loss and the mask of tokens whose clipped branch was chosen and is flat."""
+def _clipped_objective(
+    batch: LossBatch, config: Mapping[str, float], ratio: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """PPO's per-token loss (of the token ratio, or of `ratio` when given) and the mask of tokens whose
+    clipped branch was chosen and is flat."""
     low, high = config["clip_low_threshold"], config["clip_high_threshold"]
     advantages = batch.inputs["advantages"]
-    ratio = torch.exp(batch.lp - batch.inputs["logprobs"])
+    if ratio is None:
+        ratio = torch.exp(batch.lp - batch.inputs["logprobs"])
     unclipped = ratio * advantages
     clipped = ratio.clamp(low, high) * advantages
     # Same branch rule as the numpy reference: on ties the unclipped branch is exact.
@@ -163,6 +167,34 @@ def _dro(batch: LossBatch, config: Mapping[str, float]) -> LossTerms:
     drift = batch.lp - batch.inputs["logprobs"]
     per_token = -(batch.inputs["advantages"] * batch.lp - config["beta"] / 2 * drift * drift)
     return _masked(batch, per_token, {})
+
+
+def _gspo(batch: LossBatch, config: Mapping[str, float]) -> LossTerms:
+    lp = batch.lp
+    dims = tuple(range(1, lp.dim()))
+    marked = batch.inputs.get("sequence_ratio_mask", batch.inputs["advantages"])  # default as in the reference
+    in_ratio = (marked != 0).to(lp.dtype) * batch.token_mask()
+    count = in_ratio.sum(dim=dims, keepdim=True)
+    drift = ((lp.detach() - batch.inputs["logprobs"]) * in_ratio).sum(dim=dims, keepdim=True)
+    log_ratio = drift / count.clamp_min(1)  # a datum with no marked position has ratio 1
+    # Every token carries the sequence ratio's value with its own logprob's gradient.
+    ratio = torch.exp(log_ratio + lp - lp.detach())
+    per_token, flat = _clipped_objective(batch, config, ratio)
+    return _masked(batch, per_token, {"clipped_tokens:sum": _count(flat, batch)})
+
+
+def _stable_reinforce(batch: LossBatch, config: Mapping[str, float]) -> LossTerms:
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    advantages, sampling = batch.inputs["advantages"], batch.inputs["logprobs"]
+    log_ratio = batch.lp - sampling
+    ratio = torch.exp(log_ratio)
+    held = ratio.detach()
+    trusted = (held >= low) & (held <= high)
+    weight = torch.where(trusted, held * advantages, torch.zeros_like(held))
+    sampled = (advantages != 0) | (sampling != 0)
+    kl = torch.where(sampled, ratio - 1 - log_ratio, torch.zeros_like(ratio))
+    per_token = -weight * batch.lp + config["kl_coeff"] * kl
+    return _masked(batch, per_token, {"clipped_tokens:sum": _count(~trusted & (advantages != 0), batch)})
 
 
 def _dpo(batch: LossBatch, config: Mapping[str, float]) -> LossTerms:
@@ -219,6 +251,8 @@ _LOSSES: dict[str, Callable[[LossBatch, Mapping[str, float]], LossTerms]] = {
     "ppo": _ppo,
     "cispo": _cispo,
     "dro": _dro,
+    "gspo": _gspo,
+    "stable_reinforce": _stable_reinforce,
     "dpo": _dpo,
     "grpo": _grpo,
 }

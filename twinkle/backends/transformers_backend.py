@@ -20,7 +20,8 @@ import torch
 
 from twinkle.backends import torch_losses
 from twinkle.backends.data_parallel import GradientReducer
-from twinkle.backends.hf import checkpoint
+from twinkle.backends.hf import checkpoint, fused_batch
+from twinkle.backends.hf import paging as host_paging
 from twinkle.backends.hf.batching import PaddedBatch, check_model_inputs, collate, target_logprobs
 from twinkle.backends.hf.generation import generate
 from twinkle.backends.hf.images import images_checked_by_model
@@ -28,6 +29,7 @@ from twinkle.backends.hf.loading import load_base_model
 from twinkle.backends.hf.lora import lora_config
 from twinkle.backends.hf.shared_model import BASE_ADAPTER, SharedModel
 from twinkle.backends.hf.tenant import RngState, Tenant, TenantSlots, adam_step, new_optimizer
+from twinkle.backends.paging import AdapterPager, PagedAdapter, PagingBudget
 from twinkle.errors import InvalidRequest
 from twinkle.types import (
     AdamParams,
@@ -52,6 +54,7 @@ class TransformersBackend:
         max_length: int | None = None,
         device: str | None = None,
         trust_remote_code: bool | None = None,
+        paging: PagingBudget | None = None,
     ) -> None:
         base = load_base_model(
             model_id,
@@ -62,7 +65,9 @@ class TransformersBackend:
         )
         self.shared = SharedModel(base)
         self.info: ModelInfo = base.info
-        self.tenants = TenantSlots(max_loras)
+        self.tenants = TenantSlots(max_loras)  # the resident tenants; the pager keeps the others
+        self.pager = AdapterPager(self, max_loras, paging or PagingBudget())
+        self.spares = host_paging.SpareSlots()  # PEFT adapters of paged-out tenants, reused by page-ins
 
     @property
     def device(self) -> torch.device:
@@ -71,6 +76,10 @@ class TransformersBackend:
     # Adapters
 
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
+        if adapter_id in self.pager:  # resident or paged out
+            raise InvalidRequest(f"Adapter {adapter_id} already exists on this replica.")
+        self.pager.admit(adapter_id)
+        self._drop_spare_for_new_adapter()  # a new adapter's initial weights come from PEFT, seeded
         name = self.tenants.reserve(adapter_id)
         config = lora_config(
             spec,
@@ -87,22 +96,84 @@ class TransformersBackend:
         params = self.shared.parameters(name)
         rng = RngState.seeded(seed, self.device)
         self.tenants.add(Tenant(adapter_id, name, spec, seed, params, new_optimizer(params), rng))
+        self.pager.added(adapter_id)
 
     def remove_adapter(self, adapter_id: str) -> None:
+        self.pager.forget(adapter_id)
         tenant = self.tenants.pop(adapter_id)
         if tenant is not None:
             self.shared.delete_adapter(tenant.name)
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self.tenants
+        return adapter_id in self.pager
+
+    def tenant(self, adapter_id: str) -> Tenant:
+        """The adapter's tenant, paged in first when it left its slot."""
+        self.pager.use(adapter_id)
+        return self.tenants[adapter_id]
+
+    # Paging (backends.paging)
+
+    def page_out(self, adapter_id: str) -> PagedAdapter:
+        """Copy the tenant to host memory; its PEFT adapter stays as a spare slot (`hf.paging`)."""
+        tenant = self.tenants[adapter_id]
+        paged = host_paging.host_copy(tenant)
+        self.tenants.pop(adapter_id)
+        self.spares.keep(tenant)
+        return paged
+
+    def page_in(self, adapter_id: str, paged: PagedAdapter) -> None:
+        spec = paged.state.spec
+        spare = self.spares.take(spec)
+        if spare is None:  # no spare of this shape: a fresh PEFT adapter, its initial weights overwritten below
+            self._drop_spare_for_new_adapter()
+            name = self.tenants.reserve(adapter_id)
+            config = lora_config(
+                spec,
+                base_model_name=self.info.model_name,
+                unembed_module=self.shared.unembed_module,
+                exclude_modules=self.shared.vision_modules,
+            )
+            self.shared.add_adapter(name, config, seed=paged.state.seed)
+            spare = name, self.shared.parameters(name)
+        self.tenants.add(host_paging.restore(adapter_id, *spare, paged, self.device))
+
+    def _drop_spare_for_new_adapter(self) -> None:
+        """Delete a spare's PEFT adapter when a new one would exceed max_loras on the device."""
+        if len(self.pager.resident_ids()) + len(self.spares) >= self.pager.slots:
+            spare = self.spares.pop_any()
+            if spare is not None:
+                self.shared.delete_adapter(spare)
+
+    def resident_adapters(self) -> list[str]:
+        return self.pager.resident_ids()
+
+    def paging_stats(self) -> dict[str, float]:
+        return self.pager.stats.as_dict()
 
     # Compute
 
     def forward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
-        return self._run(self.tenants[adapter_id], batch, backward=False)
+        return self._run(self.tenant(adapter_id), batch, backward=False)
 
     def forward_backward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
-        return self._run(self.tenants[adapter_id], batch, backward=True)
+        return self._run(self.tenant(adapter_id), batch, backward=True)
+
+    def fused_solo_reason(self, adapter_id: str, batch: ForwardBackwardInput) -> str | None:
+        """Why this call cannot join a fused multi-tenant pass (None: it can); see `hf.fused_batch`."""
+        return fused_batch.solo_reason(self.shared, fused_batch.FusedCall(self.tenant(adapter_id), batch, False))
+
+    def run_fused(self, calls: list[tuple[str, ForwardBackwardInput, bool]]) -> list[ForwardBackwardOutput | Exception]:
+        """Several adapters' (adapter_id, batch, backward) calls as one pass; each gets its own output or error,
+        as if it had run alone."""
+        results: list[ForwardBackwardOutput | Exception] = []
+        for part in host_paging.slot_sized(calls, self.pager.slots):  # a pass's adapters all sit in slots
+            self.pager.use_all([adapter_id for adapter_id, _, _ in part])
+            fused = [fused_batch.FusedCall(self.tenants[adapter_id], batch, backward)
+                     for adapter_id, batch, backward in part]
+            results.extend(fused_batch.run(self.shared, fused, vocab_size=self.info.vocab_size,
+                                           max_length=self.info.max_context_length, device=self.device))
+        return results
 
     def _run(self, tenant: Tenant, batch: ForwardBackwardInput, *, backward: bool) -> ForwardBackwardOutput:
         # Images first: an image's token count, which the loss inputs must match, is known only once expanded.
@@ -150,12 +221,12 @@ class TransformersBackend:
             return self._logprobs(padded)
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
-        return adam_step(self.tenants[adapter_id], params)
+        return adam_step(self.tenant(adapter_id), params)
 
     def sync_gradients(self, adapter_id: str, reducer: GradientReducer) -> None:
         """Sum the adapter's accumulated gradients over the data-parallel ranks (backends.data_parallel), in
         one all-reduce. A parameter keeps grad None where no rank has one, as AdamW skips those."""
-        params = self.tenants[adapter_id].params
+        params = self.tenant(adapter_id).params
         ranks_with_grad = np.array([param.grad is not None for param in params], np.float32)
         grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
         reducer.sum_([ranks_with_grad, *grads])
@@ -165,13 +236,13 @@ class TransformersBackend:
     # Checkpoints
 
     def save_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
-        tenant = self.tenants[adapter_id]
+        tenant = self.tenant(adapter_id)
         checkpoint.save_adapter(self.shared, tenant.name, directory)
         if include_optimizer:
             checkpoint.save_training_state(tenant, directory)
 
     def load_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
-        tenant = self.tenants[adapter_id]
+        tenant = self.tenant(adapter_id)
         checkpoint.load_adapter(self.shared, tenant, directory)
         tenant.zero_grad()
         if include_optimizer:
@@ -181,10 +252,10 @@ class TransformersBackend:
             tenant.steps = 0
 
     def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
-        checkpoint.save_adapter(self.shared, self.tenants[adapter_id].name, directory)
+        checkpoint.save_adapter(self.shared, self.tenant(adapter_id).name, directory)
 
     # Sampling
 
     def sample(self, adapter_id: str | None, requests: list[SampleRequest]) -> list[SampleOutput]:
-        name = BASE_ADAPTER if adapter_id is None else self.tenants[adapter_id].name
+        name = BASE_ADAPTER if adapter_id is None else self.tenant(adapter_id).name
         return generate(self.shared, requests, [name] * len(requests))

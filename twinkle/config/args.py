@@ -8,6 +8,7 @@ from pydantic import ConfigDict, Field, model_validator, with_config
 from typing_extensions import TypedDict
 
 from twinkle.config.base import StrictModel, config_problem
+from twinkle.config.clock import ClockConfig
 from twinkle.config.devices import DeviceGroup, DeviceMesh
 from twinkle.config.limits import AdapterConfig, QueueConfig
 from twinkle.config.parallelism import parallelism_problems
@@ -86,6 +87,8 @@ class ModelArgs(StrictModel):
     """Rate limits and timeouts of the pool's queue."""
     adapter_config: AdapterConfig = Field(default_factory=AdapterConfig)
     """LoRA slots and adapter lifetimes."""
+    clock: ClockConfig = Field(default_factory=ClockConfig)
+    """Fused multi-tenant forward/backward passes ("clock cycles"); off by default."""
     torch_dtype: TorchDtype = "auto"
     """Dtype of the base weights; `auto` uses the checkpoint's."""
     sampler_type: ModelSamplerType | None = None

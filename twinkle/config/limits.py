@@ -34,7 +34,17 @@ class AdapterConfig(StrictModel):
     adapter_max_lifetime: float = Field(default=36000, gt=0)
     """Seconds after creation at which an adapter is unloaded however busy it is."""
     max_loras: int = Field(default=8, ge=1)
-    """Adapters one replica holds at once; creating one more fails with a limit error."""
+    """Adapters one replica holds in its LoRA slots on the device; beyond them the least recently used are
+    paged out to host memory, then disk, and paged back in on their next op."""
+    page_host_mb: int = Field(default=4096, ge=0)
+    """Host memory (MiB) per replica for adapters paged out of their slots; past it the least recently
+    used go to disk (0 = straight to disk)."""
+    page_disk_mb: int = Field(default=32768, ge=0)
+    """Disk space (MiB) per replica for paged-out adapters; when it is full too, creating another adapter
+    fails with a limit error (0 = no disk tier; both 0 make max_loras a hard limit)."""
+    page_dir: str | None = None
+    """Directory for adapters paged to disk (None = the system temp directory); each worker process
+    writes into its own subdirectory, removed when it exits."""
     snapshot_interval: int = Field(default=0, ge=0)
     """Seconds between automatic snapshots of each adapter's weights and optimizer state, so a crashed
     worker can resume it (0 = no automatic snapshots)."""

@@ -121,7 +121,22 @@ class StorageConfig(StrictModel):
     future_ttl_seconds: int = Field(default=86400, gt=0)
     """How long a finished future and its result stay retrievable, in seconds."""
     max_request_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
-    """Largest accepted request body in bytes; larger requests are refused with HTTP 413."""
+    """Largest accepted body of a compute request (forward, forward_backward, sampling, encode) in bytes;
+    larger requests are refused with HTTP 413 while they arrive, before they are buffered."""
+    max_control_request_bytes: int = Field(default=1024 * 1024, gt=0)
+    """Largest accepted body of every other route (sessions, models, checkpoints, futures) in bytes; larger
+    requests are refused with HTTP 413 while they arrive."""
+    checkpoint_writes_per_key: int = Field(default=2, ge=0)
+    """Checkpoint saves (save_weights, save_state, save_weights_for_sampler, Twinkle save) one API key may
+    have queued or running at once; more are refused with 429 and Retry-After (0 = unlimited)."""
+    download_url_ttl_seconds: int = Field(default=3600, ge=60, le=7 * 86400)
+    """Lifetime of the signed checkpoint download URLs the API hands out (external weights, archives)."""
+    download_secret: str | None = Field(default=None, min_length=16)
+    """HMAC key that signs download URLs; all API replicas need the same one. Unset: generated once and
+    kept in `<checkpoint_dir>/.download_secret`."""
+    public_url: str | None = None
+    """Base URL clients reach the API at (e.g. `https://twinkle.example.org`), used in download URLs.
+    Unset: the scheme and host the request came in on."""
 
 
 class AuthConfig(StrictModel):
@@ -132,11 +147,14 @@ class AuthConfig(StrictModel):
     """SHA-256 hex digests of the accepted API keys (never the raw keys)."""
     keys_file: str | None = None
     """File holding more key hashes, managed by `twinkle-server keys`."""
+    admin_keys: list[ApiKeyHash] = Field(default_factory=list)
+    """SHA-256 hex digests of operator keys: accepted like `api_keys`, and the web console shows their holders
+    every pool (adapters, queue depths, recent errors) besides their own resources."""
 
     @property
     def dev_mode(self) -> bool:
         """True when no key source is configured and every key is accepted."""
-        return not self.api_keys and self.keys_file is None
+        return not self.api_keys and not self.admin_keys and self.keys_file is None
 
 
 class FlowerConfig(StrictModel):

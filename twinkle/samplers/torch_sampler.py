@@ -106,6 +106,7 @@ class TorchSampler:
                         running.pop(index).set_exception(error)
                 for index in decoder.take_finished():
                     running.pop(index).set_result(decoder.pop(index))
+                _report_progress(decoder, running)
                 waiting += take()
         finally:
             for future in [*running.values(), *(future for _, future in waiting)]:
@@ -205,3 +206,14 @@ class TorchSampler:
                 hint="Sample with the base model the adapter was trained on.",
             ) from error
         self._loaded[name] = None
+
+
+def _report_progress(decoder: Decoder, running: dict[int, Future[SampleOutput]]) -> None:
+    """Hand each running job that asked for it (a `progress` callable on its future) its tokens so far."""
+    for index, future in running.items():
+        progress = getattr(future, "progress", None)
+        if progress is not None:
+            try:
+                progress(decoder.partial(index))
+            except Exception:
+                log.warning("a streaming update failed", exc_info=True)

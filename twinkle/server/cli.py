@@ -1,6 +1,6 @@
 """`twinkle-server`: launch the server and inspect its config.
 
-    twinkle-server launch -c cfg.yaml [--namespace NS] [--only api | --only worker NAME | --only flower]
+    twinkle-server launch -c cfg.yaml [--namespace NS] [--only api | --only worker NAME | --only flower] [-v]
     twinkle-server check-config -c cfg.yaml
     twinkle-server print-config -c cfg.yaml [--format yaml|json]
     twinkle-server clear persistence -c cfg.yaml
@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ROLE",
         help="start one role on this node: 'api', 'worker NAME' (an application name) or 'flower'",
     )
+    launch.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print the workers' Celery banners, per-task lines and library warnings (children log at INFO)",
+    )
     launch.set_defaults(command=_launch, parser=launch)
 
     check = commands.add_parser("check-config", help="validate the config without starting anything")
@@ -144,6 +150,8 @@ def _launch(options: argparse.Namespace) -> int:
     namespace = options.namespace or config.ray_namespace
     from twinkle.config.runtime import runtime_problems
 
+    if only not in ("api", "flower"):
+        _refuse_missing_model_dirs(options.config, config, only_name)
     problems = [] if only in ("api", "flower") else runtime_problems(config, only_name)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
@@ -152,8 +160,22 @@ def _launch(options: argparse.Namespace) -> int:
     from twinkle.server.launcher import launch  # deferred: it pulls in Ray, Celery and uvicorn
 
     return launch(
-        config_path=options.config, config=config, only=only, only_name=only_name, namespace=namespace
+        config_path=options.config,
+        config=config,
+        only=only,
+        only_name=only_name,
+        namespace=namespace,
+        verbose=options.verbose,
     )
+
+
+def _refuse_missing_model_dirs(source: str, config: ServerConfig, only_name: str | None = None) -> None:
+    """A model directory missing on this machine is a config problem here: it would fail every start."""
+    from twinkle.config.model_dirs import model_dir_problems
+
+    problems = model_dir_problems(config, only_name)
+    if problems:
+        raise ConfigError(problems, source=source)
 
 
 def _parse_only(parser: argparse.ArgumentParser, words: list[str] | None) -> tuple[str | None, str | None]:
@@ -187,6 +209,7 @@ def _check_worker_name(parser: argparse.ArgumentParser, config: ServerConfig, na
 
 def _check_config(options: argparse.Namespace) -> int:
     config = load_config(options.config)
+    _refuse_missing_model_dirs(options.config, config)
     names = ", ".join(f"{app.name} [{app.import_path}]" for app in config.applications)
     count = len(config.applications)
     print(f"ok: {count} application{'s' if count != 1 else ''} ({names})")
@@ -212,9 +235,19 @@ def _clear(options: argparse.Namespace) -> int:
     config = load_config(options.config)
     from twinkle.state.persistence import clear_persistence  # deferred: it needs a Redis client
 
-    removed = clear_persistence(config)
+    removed = clear_persistence(config, broker_url=_running_broker(config))
     print(f"removed {removed} key{'s' if removed != 1 else ''} from {config.persistence.mode} persistence")
     return EXIT_OK
+
+
+def _running_broker(config: ServerConfig) -> str | None:
+    """The embedded broker of the `launch` of this config running on this machine, found by its API port."""
+    if os.environ.get("TWINKLE_BROKER_URL") or config.broker.url:
+        return None  # the config's own broker
+    from twinkle.server import launch_record
+
+    record = launch_record.find(config.http_options.port)
+    return record.broker_url if record is not None else None
 
 
 def _build_tiny_model(options: argparse.Namespace) -> int:

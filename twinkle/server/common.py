@@ -38,8 +38,12 @@ def shifted_arrays(input_feature: Mapping[str, Any]) -> tuple[np.ndarray, dict[s
             raise InvalidRequest(
                 f"An InputFeature needs {key!r}.", hint="Encode trajectories with a Template."
             )
-    input_ids = np.asarray(input_feature["input_ids"], dtype=np.int64).reshape(-1)
-    labels = np.asarray(input_feature["labels"], dtype=np.int64).reshape(-1)
+    try:
+        input_ids = np.asarray(input_feature["input_ids"], dtype=np.int64).reshape(-1)
+        labels = np.asarray(input_feature["labels"], dtype=np.int64).reshape(-1)
+    except (OverflowError, ValueError, TypeError) as exc:  # 10**20, "a", ragged lists: the caller's to fix
+        raise InvalidRequest(f"input_ids and labels must be lists of token ids ({exc}).",
+                             hint="Tokenize with the model's tokenizer; labels use -100 for untrained tokens.") from exc
     if input_ids.shape != labels.shape:
         raise InvalidRequest(f"input_ids has {input_ids.size} tokens but labels has {labels.size}.")
     if input_ids.size < 2:

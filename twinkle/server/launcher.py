@@ -7,12 +7,12 @@ SIGTERM stops everything: workers get a warm shutdown, stragglers are killed, no
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +20,16 @@ from typing import Any
 
 import redis
 
+from twinkle import liveness
 from twinkle.broker import EmbeddedBroker, restore_unacked
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.keys import Keys
 from twinkle.pool_exit import exit_reason
+from twinkle.server import launch_record, startup, verbosity
+from twinkle.server.hang_watch import HangWatch
+from twinkle.server.port_check import port_taken
+from twinkle.server.readiness import INSTANCE_ENV, Readiness, new_instance_id
+from twinkle.server.startup import StartAttempts
 from twinkle.state.persistence import restore_snapshot, save_snapshot
 from twinkle.telemetry.pool_status import PoolStatusPrinter
 
@@ -42,14 +48,29 @@ class Child:
     restarts: int = 0
     started_at: float = 0.0
     env: dict[str, str] = field(default_factory=dict)
+    liveness_file: str = ""  # pool workers: rewritten every second while the process runs (twinkle/liveness.py)
+    awaiting_broker: bool = False  # dead, and its restart waits for the broker to answer again
+    attempts: StartAttempts | None = None  # children the launcher can see become ready (API, pools)
 
     def start(self) -> None:
         env = dict(os.environ, **self.env)
+        if self.liveness_file:
+            Path(self.liveness_file).unlink(missing_ok=True)
+            env[liveness.ENV] = self.liveness_file
+        if self.attempts is not None:
+            self.attempts.started()
+            env[startup.ENV] = str(self.attempts.cause_file)
         self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True)
         self.started_at = time.time()
 
+    def given_up(self) -> bool:
+        return self.attempts is not None and self.attempts.given_up
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
 
 def plan_children(config_path: str, config: Any, only: str | None, only_name: str | None) -> list[Child]:
@@ -105,6 +126,13 @@ class Supervisor:
         self.r = r
         self.keys = keys
         self.stopping = False
+        self.hangs = HangWatch(r, keys)
+        liveness_dir = Path(tempfile.mkdtemp(prefix="twinkle-liveness-"))
+        for i, child in enumerate(children):
+            if child.queue:
+                child.liveness_file = str(liveness_dir / f"pool-{i}.json")
+            if child.queue or child.name == "api":
+                child.attempts = StartAttempts(liveness_dir / f"start-failure-{i}.txt")
 
     def start_all(self) -> None:
         for child in self.children:
@@ -114,21 +142,65 @@ class Supervisor:
 
     def check(self) -> None:
         for child in self.children:
-            if self.stopping or child.alive():
+            if not self.stopping and child.alive():
+                self._watch(child)  # a hung worker is killed here, and restarted below
+            if self.stopping or child.alive() or child.given_up():
                 continue
-            code = child.proc.returncode if child.proc else None
-            why = f" ({exit_reason(code)})" if exit_reason(code) else ""
-            log.error("%s exited with code %s%s; restarting it", child.name, code, why)
-            print(f"[twinkle] {child.name} exited with code {code}{why}; restarting", flush=True)
-            _kill_leftovers(child)
-            if child.queue:
-                restored = restore_unacked(self.r, child.queue)
-                if restored:
-                    log.warning("put %d unacked message(s) back at the head of %s", restored, child.queue)
+            pause = None
+            if not child.awaiting_broker:
+                code = child.proc.returncode if child.proc else None
+                pause = _start_failed(child, code)
+                if pause is None:
+                    why = f" ({exit_reason(code)})" if exit_reason(code) else ""
+                    log.error("%s exited with code %s%s; restarting it", child.name, code, why)
+                    print(f"[twinkle] {child.name} exited with code {code}{why}; restarting", flush=True)
+                _kill_leftovers(child)
+            if child.queue and not self._restore(child):
+                continue  # the broker is away: restart once it answers, never before the unacked are back
+            if child.given_up():
+                continue
             child.restarts += 1
-            if time.time() - child.started_at < 2:
+            if pause is not None:
+                time.sleep(pause)  # it failed to start: give a passing cause (a busy device) time to clear
+            elif time.time() - child.started_at < 2:
                 time.sleep(min(10, child.restarts))  # crash loop: back off instead of spinning
             child.start()
+
+    def _restore(self, child: Child) -> bool:
+        """Put the dead worker's unacked messages back; False while the broker is unreachable (transient: a
+        Redis restart or outage must not stop the launcher, which would stop every pool)."""
+        assert child.queue is not None
+        try:
+            restored = restore_unacked(self.r, child.queue)
+        except redis.RedisError as exc:
+            if not child.awaiting_broker:
+                log.warning("cannot restore %s while the broker is unreachable (%s); retrying", child.queue, exc)
+                print(f"[twinkle] broker unreachable: {child.name} restarts once it is back", flush=True)
+            child.awaiting_broker = True
+            return False
+        child.awaiting_broker = False
+        if restored:
+            log.warning("put %d unacked message(s) back at the head of %s", restored, child.queue)
+        return True
+
+    def _watch(self, child: Child) -> None:
+        """Kill a pool worker that froze (its own watchdog cannot act), failing the op it was running."""
+        if not child.liveness_file or child.proc is None:
+            return
+        beat = liveness.read(child.liveness_file)
+        if beat is None or beat.pid != child.proc.pid:
+            return  # not written yet by this process (still loading its model)
+        why = self.hangs.verdict(beat)
+        if not why:
+            return
+        log.error("%s hung (%s); killing it", child.name, why)
+        print(f"[twinkle] {child.name} hung ({why}); killing it", flush=True)
+        try:
+            self.hangs.fail_current(beat, why, child.queue or "")
+        except redis.RedisError:  # the restarted worker fails it as lost when it is redelivered
+            log.warning("could not fail %s of hung %s: the broker is unreachable", beat.current, child.name)
+        _kill_leftovers(child)
+        child.proc.wait()
 
     def stop_all(self) -> None:
         self.stopping = True
@@ -148,6 +220,23 @@ class Supervisor:
                 child.proc.wait()
 
 
+def _start_failed(child: Child, code: int | None) -> float | None:
+    """For a child that died before it was ready: say why in one line, and return the pause before its next
+    try (0 or more), or give up on it. None for a child that had been ready (an ordinary crash)."""
+    attempts = child.attempts
+    if attempts is None or attempts.ready:
+        return None
+    cause = attempts.cause(code)
+    pause = attempts.failed()
+    if pause is None:
+        print(f"[twinkle] ERROR: {child.name} failed to start {startup.START_ATTEMPTS} times; giving up: {cause}",
+              flush=True)
+        return 0.0
+    print(f"[twinkle] {child.name} failed to start (try {attempts.failures} of {startup.START_ATTEMPTS}): "
+          f"{cause}; retrying in {pause:.0f} s", flush=True)
+    return pause
+
+
 def _kill_leftovers(child: Child) -> None:
     """Kill what a dead worker left in its process group (a private Ray instance's agents outlive it)."""
     if child.proc is not None:
@@ -157,43 +246,48 @@ def _kill_leftovers(child: Child) -> None:
             pass
 
 
-def wait_until_ready(config: Any, sup: Supervisor, only: str | None, stop: dict[str, bool],
-                     status: PoolStatusPrinter | None = None) -> None:
-    """Print where the API listens and each pool as it becomes ready."""
-    import httpx
-
-    pending_pools = {c.queue for c in sup.children if c.queue}
-    api_up = only not in (None, "api")
-    host = config.http_options.host
-    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{config.http_options.port}"
-    server = config.server_app()
-    prefix = (server.route_prefix if server else "/api/v1").rstrip("/")
-    deadline = time.time() + READY_TIMEOUT_SECONDS
-    while (pending_pools or not api_up) and time.time() < deadline and not stop["requested"]:
+def wait_until_ready(sup: Supervisor, readiness: Readiness, stop: dict[str, bool],
+                     status: PoolStatusPrinter | None = None) -> str | None:
+    """Print where the API listens and each pool as it becomes ready; None once every child is ready, else why
+    not (a child the supervisor gave up on, or a stop request)."""
+    probed = [child for child in sup.children if child.attempts is not None]
+    slow_at = time.time() + READY_TIMEOUT_SECONDS
+    while not stop["requested"]:
         sup.check()
-        if not api_up:
-            try:
-                httpx.get(f"{base}{prefix}/healthz", timeout=1).raise_for_status()
-                api_up = True
-                print(f"[twinkle] API listening on http://{host}:{config.http_options.port}", flush=True)
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-        for queue in list(pending_pools):
-            raw = sup.r.get(sup.keys.pool_heartbeat(queue))
-            if raw:
-                pending_pools.discard(queue)
-                print(f"[twinkle] pool {queue} ready ({json.loads(raw).get('pid')})", flush=True)
+        failed = [child.name for child in probed if child.given_up()]
+        if failed:
+            return f"{', '.join(failed)} failed to start"
+        for line in readiness.poll(probed):
+            print(f"[twinkle] {line}", flush=True)
+        waiting = [child.name for child in probed if not child.attempts.ready]  # type: ignore[union-attr]
+        if not waiting:
+            return None
+        if time.time() > slow_at:  # a large model may still be downloading: say so once, keep waiting
+            print(f"[twinkle] still waiting after {READY_TIMEOUT_SECONDS:.0f} s for {', '.join(waiting)}",
+                  flush=True)
+            slow_at = float("inf")
         if status is not None:
             status.maybe_print(sup.children)
         time.sleep(0.1)
+    return "stopped"
 
 
 def launch(config_path: str, config: Any, only: str | None = None, only_name: str | None = None,
-           namespace: str = "twinkle_cluster") -> int:
-    logging.basicConfig(level=os.environ.get("TWINKLE_LOG_LEVEL", "INFO"),
+           namespace: str = "twinkle_cluster", verbose: bool = False) -> int:
+    children_env = verbosity.children_env(verbose)
+    logging.basicConfig(level=children_env[verbosity.LEVEL_ENV],
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
     config_path = str(Path(config_path).resolve())
+    if only in (None, "api"):
+        taken = port_taken(config.http_options.host, config.http_options.port)
+        if taken:
+            print(f"[twinkle] ERROR: {taken}", file=sys.stderr, flush=True)
+            return 1
+    os.environ.update(children_env)
     broker: EmbeddedBroker | None = None
+    record: Path | None = None
     url = os.environ.get("TWINKLE_BROKER_URL") or config.broker.url
     if not url:
         if only is not None:
@@ -202,6 +296,8 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
         broker = EmbeddedBroker()
         url = broker.start()
         print(f"[twinkle] embedded Valkey broker at {url}", flush=True)
+        record = launch_record.write(launch_record.LaunchRecord(os.getpid(), config.http_options.port, url,
+                                                                config_path))  # for clear persistence
     os.environ["TWINKLE_BROKER_URL"] = url
     os.environ["TWINKLE_RAY_NAMESPACE"] = namespace
     r = redis.Redis.from_url(url)
@@ -213,7 +309,12 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
     if snapshot_path:
         print(f"[twinkle] restored {restore_snapshot(r, snapshot_path)} durable records from {snapshot_path}",
               flush=True)
+    instance = new_instance_id()
     sup = Supervisor(plan_children(config_path, config, only, only_name), r, keys)
+    for child in sup.children:
+        if child.name == "api":
+            child.env[INSTANCE_ENV] = instance
+    readiness = Readiness(config, r, keys, instance)
     status = PoolStatusPrinter(r, keys)
     stop = {"requested": False}
 
@@ -225,14 +326,23 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
     started = time.time()
     try:
         sup.start_all()
-        wait_until_ready(config, sup, only, stop, status)
-        print(f"[twinkle] ready in {time.time() - started:.1f} s; Ctrl-C to stop", flush=True)
+        not_ready = wait_until_ready(sup, readiness, stop, status)
+        if not_ready is not None and not stop["requested"]:
+            print(f"[twinkle] ERROR: not ready: {not_ready}; stopping", file=sys.stderr, flush=True)
+            return 1
+        if not_ready is None:
+            print(f"[twinkle] ready in {time.time() - started:.1f} s; Ctrl-C to stop", flush=True)
         last_snapshot = time.time()
         while not stop["requested"]:
             sup.check()
+            for line in readiness.poll(sup.children):  # a restarted child is back
+                print(f"[twinkle] {line}", flush=True)
             status.maybe_print(sup.children)
             if snapshot_path and time.time() - last_snapshot > SNAPSHOT_SECONDS:
-                save_snapshot(r, keys, snapshot_path)
+                try:
+                    save_snapshot(r, keys, snapshot_path)
+                except redis.RedisError:  # the broker is away: keep the last snapshot, try again later
+                    log.warning("snapshot skipped: the broker is unreachable")
                 last_snapshot = time.time()
             time.sleep(0.2)
     finally:
@@ -242,4 +352,5 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
             save_snapshot(r, keys, snapshot_path)
         if broker is not None:
             broker.stop()
+        launch_record.remove(record)
     return 0

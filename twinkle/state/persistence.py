@@ -20,7 +20,7 @@ import redis
 
 from twinkle.keys import Keys
 
-DURABLE_PATTERNS = ("model:*", "run:*", "owner:*:runs", "sampling:*")
+DURABLE_PATTERNS = ("model:*", "run:*", "owner:*:runs", "owner:*:sampling", "sampling:*")
 
 
 def state_url(config: Any, broker_url: str | None = None) -> str:
@@ -28,7 +28,9 @@ def state_url(config: Any, broker_url: str | None = None) -> str:
         return str(config.persistence.redis_url)
     url = broker_url or os.environ.get("TWINKLE_BROKER_URL") or config.broker.url
     if not url:
-        raise SystemExit("No Redis to clear: the broker is embedded and not running. Start the server, or set "
+        raise SystemExit(f"No Redis to clear: this config's broker is embedded (no broker.url), and no "
+                         f"`twinkle-server launch` of it serving port {config.http_options.port} runs on this "
+                         "machine, so its state is gone already. Run this while the server runs, or set "
                          "broker.url / persistence.redis_url.")
     return str(url)
 
@@ -82,8 +84,9 @@ def restore_snapshot(r: redis.Redis, path: str | Path) -> int:
     return len(data)
 
 
-def clear_persistence(config: Any) -> int:
-    """Remove exactly Twinkle's keys (and the snapshot file in file mode); returns keys removed."""
+def clear_persistence(config: Any, broker_url: str | None = None) -> int:
+    """Remove exactly Twinkle's keys (and the snapshot file in file mode); returns keys removed. `broker_url`:
+    the running launch's embedded broker, for a config that names none."""
     keys = Keys(config.persistence.key_prefix)
     removed = 0
     if config.persistence.mode == "file" and config.persistence.file_path:
@@ -92,7 +95,7 @@ def clear_persistence(config: Any) -> int:
             removed += len(json.loads(path.read_text()))
             path.unlink()
     try:
-        r = redis.Redis.from_url(state_url(config))
+        r = redis.Redis.from_url(state_url(config, broker_url))
         for key in _scan(r, keys.root + "*"):
             removed += int(r.delete(key))
     except SystemExit:

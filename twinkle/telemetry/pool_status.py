@@ -67,7 +67,8 @@ class PoolStatusPrinter:
             queue = str(pool.queue)
             beating, adapters = replies[2 * i], int(replies[2 * i + 1])
             if not pool.alive():
-                state = "restarting"
+                given_up = getattr(pool, "given_up", None)  # the launcher stopped retrying a failed start
+                state = "failed to start, not retried" if given_up is not None and given_up() else "restarting"
             elif not beating:
                 doing = "starting" if queue.startswith("processor.") else "loading model"
                 state = f"{doing} ({now - pool.started_at:.0f} s)"

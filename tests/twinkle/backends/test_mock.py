@@ -19,6 +19,7 @@ from twinkle.backends.mock_model import (
     accumulate_gradients,
     target_logprobs,
 )
+from twinkle.backends.paging import PagingBudget
 from twinkle.errors import InvalidRequest, LimitExceeded, NotFound
 from twinkle.types import AdamParams, Datum, ForwardBackwardInput, ImageChunk, LoraSpec, chunks_from_tokens
 
@@ -335,11 +336,12 @@ def test_training_one_adapter_never_changes_another_bit_for_bit(tmp_path: Path) 
     assert metrics["grad_norm:mean"] > 0  # b's pending gradient survived a's steps
 
 
-def test_max_loras_is_enforced_with_the_numbers() -> None:
-    backend = _backend(max_loras=2)
+def test_max_loras_is_a_hard_wall_with_the_numbers_when_paging_is_off() -> None:
+    backend = MockBackend(VOCAB, max_loras=2, paging=PagingBudget(host_bytes=0, disk_bytes=0))
+    backend.create_adapter("a", LoraSpec(rank=8, seed=1))
     backend.create_adapter("b", LoraSpec(rank=4))
 
-    with pytest.raises(LimitExceeded, match=r"All 2 LoRA slots .*2 adapters loaded"):
+    with pytest.raises(LimitExceeded, match=r"All 2 LoRA slots .*paging is off"):
         backend.create_adapter("c", LoraSpec(rank=4))
     backend.remove_adapter("b")
     backend.create_adapter("c", LoraSpec(rank=4))

@@ -47,8 +47,12 @@ def _torch_loss(loss_fn: str, lp: np.ndarray, inputs: dict[str, np.ndarray], mas
     return terms, lp_tensor.grad.numpy()
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
-@pytest.mark.parametrize("config", [{}, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05, "beta": 0.3}])
+@pytest.mark.parametrize(
+    "loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
+)
+@pytest.mark.parametrize(
+    "config", [{}, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05, "beta": 0.3, "kl_coeff": 0.2}]
+)
 def test_tinker_losses_match_the_numpy_reference_in_loss_gradient_and_metrics(loss_fn: str, config: dict) -> None:
     lp, inputs, mask = _padded_case(seed=3)
     config = {key: value for key, value in config.items() if key in reference.LOSS_FUNCTIONS[loss_fn].config_defaults}
@@ -173,3 +177,19 @@ def test_unknown_loss_names_every_supported_loss() -> None:
 def test_grpo_kl_mask_defaults_to_tokens_with_a_sampling_logprob() -> None:
     datum = _datum(4, logprobs=np.array([0.0, 0.0, -0.5, -1.0]), advantages=np.ones(4))
     assert torch_losses.datum_inputs("grpo", datum)["weights"].tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_gspo_reads_an_explicit_sequence_ratio_mask_like_the_reference() -> None:
+    lp, inputs, mask = _padded_case(seed=5)
+    ratio_mask = (np.random.default_rng(6).random((B, T)) > 0.4).astype(np.float64)
+    ratio_mask[:, 0] = 1.0
+    ratio_mask[~mask] = 0.0
+    inputs = {**inputs, "sequence_ratio_mask": ratio_mask}
+
+    terms, grad = _torch_loss("gspo", lp, inputs, mask, {"clip_high_threshold": 1.1})
+
+    for r in range(B):
+        row = reference.elementwise_loss_and_grad(
+            "gspo", lp[r][mask[r]], _row_inputs(inputs, mask, r), {"clip_high_threshold": 1.1})
+        np.testing.assert_allclose(grad[r][mask[r]], row.dloss_dlp, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(terms.elementwise.numpy()[r][mask[r]], row.loss, rtol=1e-12, atol=1e-12)

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from twinkle.backends.hf import loading
 from twinkle.backends.hf.checkpoint import read_lora_spec
+from twinkle.backends.paging import PagingBudget
 from twinkle.backends.transformers_backend import TransformersBackend
 from twinkle.errors import InvalidRequest, LimitExceeded, NotFound
 from twinkle.types import (
@@ -354,11 +355,11 @@ def test_lora_flags_choose_the_target_modules(backend: TransformersBackend) -> N
     assert not backend.has_adapter("bad")
 
 
-def test_max_loras_is_enforced_with_the_numbers(make_backend: BackendFactory) -> None:
-    backend = make_backend(max_loras=2)
+def test_max_loras_is_a_hard_wall_when_paging_is_off(make_backend: BackendFactory) -> None:
+    backend = make_backend(max_loras=2, paging=PagingBudget(host_bytes=0, disk_bytes=0))
     backend.create_adapter("a", LoraSpec(rank=2))
     backend.create_adapter("b", LoraSpec(rank=2))
-    with pytest.raises(LimitExceeded, match="All 2 LoRA slots"):
+    with pytest.raises(LimitExceeded, match=r"All 2 LoRA slots .*paging is off"):
         backend.create_adapter("c", LoraSpec(rank=2))
     backend.remove_adapter("a")
     backend.create_adapter("c", LoraSpec(rank=2))

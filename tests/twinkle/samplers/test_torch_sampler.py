@@ -318,3 +318,22 @@ def test_requests_beyond_the_adapter_slots_wait_for_a_slot_instead_of_evicting_a
     assert calls > 8 + 8 - 1  # down ran after up, in the same serve call
     assert _tokens(futures[0].result(timeout=0)) == [(trained.up * 2)[2:10]]
     assert _tokens(futures[1].result(timeout=0)) == [(trained.down * 2)[2:10]]
+
+
+def test_a_job_asking_for_progress_sees_its_tokens_grow_before_its_result(sampler: TorchSampler) -> None:
+    seen: list[list[list[int]]] = []
+    future = Future[SampleOutput]()
+    future.progress = lambda rows: seen.append([list(row) for row in rows])  # type: ignore[attr-defined]
+    taken = False
+
+    def take() -> list[tuple[SampleRequest, Future[SampleOutput]]]:
+        nonlocal taken
+        jobs = [] if taken else [(_request([5, 6, 7], None, max_tokens=6, num_samples=2, temperature=1.0, seed=3),
+                                  future)]
+        taken = True
+        return jobs
+
+    sampler.serve(take)
+    final = _tokens(future.result(timeout=0))
+    assert [len(rows[0]) for rows in seen] == [1, 2, 3, 4, 5]  # after each step but the last, which resolves it
+    assert all(row == full[: len(row)] for rows in seen for row, full in zip(rows, final, strict=True))

@@ -173,7 +173,9 @@ def test_clear_persistence_prints_how_many_keys_were_removed(
 ) -> None:
     seen: list[ServerConfig] = []
     _fake_module(
-        monkeypatch, "twinkle.state.persistence", clear_persistence=lambda config: seen.append(config) or 12
+        monkeypatch,
+        "twinkle.state.persistence",
+        clear_persistence=lambda config, broker_url=None: seen.append(config) or 12,
     )
 
     assert main(["clear", "persistence", "-c", str(SEED)]) == 0
@@ -187,7 +189,7 @@ def test_user_errors_from_a_command_exit_1_with_the_message(
 ) -> None:
     from twinkle.errors import UserError
 
-    def refuse(config: ServerConfig) -> int:
+    def refuse(config: ServerConfig, broker_url: str | None = None) -> int:
         raise UserError("memory persistence has nothing to clear", hint="stop the server instead")
 
     _fake_module(monkeypatch, "twinkle.state.persistence", clear_persistence=refuse)
@@ -212,3 +214,66 @@ def test_build_tiny_model_passes_only_the_given_options(
 
     assert calls == [(tmp_path / "a", {"vocab_size": 300, "seed": 3}), (tmp_path / "b", {})]
     assert capsys.readouterr().out.splitlines() == [str(tmp_path / "a"), str(tmp_path / "b")]
+
+
+def _config_with_model(tmp_path: Path, model_id: str, backend: str = "transformers") -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({"applications": [
+        {"name": "server", "route_prefix": "/api/v1", "import_path": "server", "args": {}},
+        {"name": "models-x", "route_prefix": "/api/v1/model/x", "import_path": "model",
+         "args": {"backend": backend, "model_id": model_id}},
+        {"name": "sampler-x", "route_prefix": "/api/v1/sampler/x", "import_path": "sampler",
+         "args": {"model_id": model_id, "sampler_type": "mock" if backend == "mock" else "torch"}},
+    ]}))
+    return path
+
+
+def test_check_config_exits_2_naming_each_missing_model_directory_and_how_to_build_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = _config_with_model(tmp_path, "./models/tiny-qwen")
+
+    assert main(["check-config", "-c", str(config)]) == 2
+
+    err = capsys.readouterr().err
+    assert "applications[1].args.model_id: no model directory at './models/tiny-qwen'" in err
+    assert "applications[2].args.model_id: no model directory" in err
+    assert f"looked in {tmp_path / 'models' / 'tiny-qwen'}" in err
+    assert "twinkle-server build-tiny-model ./models/tiny-qwen" in err
+
+
+def test_check_config_accepts_hub_ids_a_model_directory_and_the_mocks_vocabulary_size(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for model_id, backend in (("ms://Qwen/Qwen3.5-4B", "transformers"), ("Qwen/Qwen3-0.6B", "transformers"),
+                              (str(tiny_model_dir), "transformers"), ("1000", "mock")):
+        assert main(["check-config", "-c", str(_config_with_model(tmp_path, model_id, backend))]) == 0, model_id
+    capsys.readouterr()
+
+    (tmp_path / "not-a-model").mkdir()
+    assert main(["check-config", "-c", str(_config_with_model(tmp_path, str(tmp_path / "not-a-model")))]) == 2
+    assert "is a directory without config.json" in capsys.readouterr().err
+
+
+def test_launch_refuses_a_missing_model_directory_before_starting_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_module(monkeypatch, "twinkle.server.launcher", launch=lambda **kwargs: pytest.fail("launched"))
+    config = _config_with_model(tmp_path, str(tmp_path / "missing"))
+
+    assert main(["launch", "-c", str(config)]) == 2
+    assert "no model directory at" in capsys.readouterr().err
+    # the API alone loads no model: a node without the model files may run it
+    _fake_module(monkeypatch, "twinkle.server.launcher", launch=lambda **kwargs: 0)
+    assert main(["launch", "-c", str(config), "--only", "api"]) == 0
+
+
+def test_launch_passes_v_on_to_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+    _fake_module(monkeypatch, "twinkle.server.launcher", launch=lambda **kwargs: calls.append(kwargs) or 0)
+
+    main(["launch", "-c", str(SEED), "--only", "api"])
+    main(["launch", "-c", str(SEED), "--only", "api", "-v"])
+
+    assert [call["verbose"] for call in calls] == [False, True]

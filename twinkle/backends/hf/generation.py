@@ -219,6 +219,10 @@ class Decoder:
             self.logits = output.logits[:, -1, :].float()
             self.positions = self.positions + 1
 
+    def partial(self, request: int) -> list[list[int]]:
+        """The tokens each sample of a running request has produced so far (for streaming)."""
+        return [row.tokens for _, row in sorted(self.rows.items()) if row.request == request]
+
     def pop(self, request: int) -> SampleOutput:
         """The finished request's output; the request and its rows are forgotten."""
         self._forget(request)

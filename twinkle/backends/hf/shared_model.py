@@ -21,6 +21,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 from transformers import PreTrainedModel
 
+from twinkle.backends.hf import fused_lora
 from twinkle.backends.hf.loading import BaseModel, has_vision_tower
 
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" rows in a mixed batch
@@ -135,6 +136,14 @@ class SharedModel:
             if adapter_names is not None and any(name != BASE_ADAPTER for name in adapter_names):
                 raise ValueError(f"unknown adapters in {sorted(set(adapter_names))}")
             return self.base.model(**model_inputs)
+        # Per row (hf.fused_lora): one gathered batched matmul per LoRA layer whatever the mix of adapters and
+        # rows; PEFT's mixed-batch path (a loop over the batch's adapters) stays for what routing cannot serve.
+        if fused_lora.unsupported(self.peft, adapter_names) is None:
+            unknown = set(adapter_names) - set(self.adapters) - {BASE_ADAPTER}
+            if unknown:
+                raise ValueError(f"unknown adapters in {sorted(unknown)}")
+            with fused_lora.routed(self.peft, list(adapter_names)):
+                return self.base.model(**model_inputs)
         # The forward hooks that route rows to adapters only install while some adapter is active.
         if self.peft.active_adapter not in self.peft.peft_config:
             self._trainable = None

@@ -7,6 +7,9 @@ from dataclasses import replace
 
 from hosted import self_host_example, server_token, server_url
 
+from twinkle.example_connection import server_messages
+
 if __name__ == "__main__":
-    example = self_host_example("sample")
-    example.main(defaults=replace(example.Config(), base_url=server_url(), api_key=server_token()))
+    with server_messages():
+        example = self_host_example("sample")
+        example.main(defaults=replace(example.Config(), base_url=server_url(), api_key=server_token()))

@@ -9,18 +9,21 @@ from dataclasses import replace
 
 from hosted import HOSTED_MODEL, self_host_example, server_token, server_url
 
+from twinkle.example_connection import server_messages
+
 if __name__ == "__main__":
-    example = self_host_example("short_math_grpo")
-    example.main(
-        defaults=replace(
-            example.Config(),
-            base_url=server_url(),
-            api_key=server_token(),
-            base_model=HOSTED_MODEL,
-            dataset=os.environ.get("TWINKLE_DATASET", "ms://modelscope/gsm8k"),
-            subset="main",
-            max_tokens=512,
-            group_size=8,
-            learning_rate=1e-5,
+    with server_messages():
+        example = self_host_example("short_math_grpo")
+        example.main(
+            defaults=replace(
+                example.Config(),
+                base_url=server_url(),
+                api_key=server_token(),
+                base_model=HOSTED_MODEL,
+                dataset=os.environ.get("TWINKLE_DATASET", "ms://modelscope/gsm8k"),
+                subset="main",
+                max_tokens=512,
+                group_size=8,
+                learning_rate=1e-5,
+            )
         )
-    )

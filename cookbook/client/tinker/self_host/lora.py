@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from twinkle.example_connection import require_server, server_messages
+
 DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 
 
@@ -76,6 +78,7 @@ def pig_latin_datum(tokenizer: Any, english: str, pig_latin: str) -> Any:
 
 def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     cfg = parse_args(argv, defaults)
+    require_server(cfg.base_url)  # one line, not minutes of retries, when no server runs there
     from twinkle import init_tinker_client
 
     init_tinker_client()  # twinkle:// paths and free-form keys; everything else is the plain SDK
@@ -127,4 +130,5 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with server_messages():  # a wrong model name or key: the server's message, not a traceback
+        main()

@@ -8,7 +8,7 @@ template and an open assistant turn; each completion is printed with its mean to
     python cookbook/client/tinker/self_host/sample.py --question "你是谁？"
 
 The template needs the model's tokenizer on this machine: `--model-dir` (env TWINKLE_MODEL_DIR), by default
-the checkpoint's base model name, which works for hub models (Qwen/Qwen3.5-4B) but not for local ones.
+the tokenizer files the server serves for the checkpoint's base model (downloaded once), else its hub name.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+
+from twinkle.example_connection import require_server, server_messages, tokenizer_dir
 
 
 @dataclass
@@ -54,6 +56,7 @@ def parse_args(argv: list[str] | None = None, defaults: Config | None = None) ->
 
 def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     cfg = parse_args(argv, defaults)
+    require_server(cfg.base_url)  # one line, not minutes of retries, when no server runs there
     from twinkle import init_tinker_client
 
     init_tinker_client()  # lets the SDK take twinkle:// paths
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     print(f"Sampling from checkpoint {path} (base model {base_model})")
 
     sampler = service.create_sampling_client(model_path=path).result()
-    template = Template(model_id=cfg.model_dir or base_model)
+    template = Template(model_id=cfg.model_dir or tokenizer_dir(cfg.base_url, cfg.api_key, base_model))
     trajectory = Trajectory(
         messages=[
             Message(role="system", content="You are a helpful assistant."),
@@ -100,4 +103,5 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with server_messages():  # a wrong model name or key: the server's message, not a traceback
+        main()

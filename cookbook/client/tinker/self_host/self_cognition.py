@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from twinkle.example_connection import require_server, server_messages
+
 DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 
 
@@ -67,6 +69,7 @@ def parse_args(argv: list[str] | None = None, defaults: Config | None = None) ->
 
 def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     cfg = parse_args(argv, defaults)
+    require_server(cfg.base_url)  # one line, not minutes of retries, when no server runs there
     from twinkle import init_tinker_client
 
     # Before any client exists: the SDK then accepts twinkle:// paths and keys without the tml- prefix.
@@ -134,4 +137,5 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with server_messages():  # a wrong model name or key: the server's message, not a traceback
+        main()

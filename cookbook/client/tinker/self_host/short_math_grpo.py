@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from twinkle.example_connection import require_server, server_messages
+
 DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 
 
@@ -105,6 +107,7 @@ def rl_datum(prompt: list[int], completion: list[int], logprobs: list[float], ad
 
 def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     cfg = parse_args(argv, defaults)
+    require_server(cfg.base_url)  # one line, not minutes of retries, when no server runs there
     from twinkle import init_tinker_client
 
     init_tinker_client()
@@ -183,4 +186,5 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with server_messages():  # a wrong model name or key: the server's message, not a traceback
+        main()

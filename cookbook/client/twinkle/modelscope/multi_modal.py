@@ -9,15 +9,18 @@ from dataclasses import replace
 
 from hosted import HOSTED_MODEL, self_host_example, server_token, server_url
 
+from twinkle.example_connection import server_messages
+
 if __name__ == "__main__":
-    example = self_host_example("multi_modal")
-    example.main(
-        defaults=replace(
-            example.Config(),
-            base_url=server_url(),
-            api_key=server_token(),
-            base_model=os.environ.get("TWINKLE_VL_BASE_MODEL", HOSTED_MODEL),
-            dataset=os.environ.get("TWINKLE_VL_DATASET", "ms://AI-ModelScope/LaTeX_OCR"),
-            learning_rate=1e-4,
+    with server_messages():
+        example = self_host_example("multi_modal")
+        example.main(
+            defaults=replace(
+                example.Config(),
+                base_url=server_url(),
+                api_key=server_token(),
+                base_model=os.environ.get("TWINKLE_VL_BASE_MODEL", HOSTED_MODEL),
+                dataset=os.environ.get("TWINKLE_VL_DATASET", "ms://AI-ModelScope/LaTeX_OCR"),
+                learning_rate=1e-4,
+            )
         )
-    )

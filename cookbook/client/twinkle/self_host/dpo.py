@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from twinkle.example_connection import require_server, server_messages
+
 DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 
 
@@ -61,6 +63,7 @@ def parse_args(argv: list[str] | None = None, defaults: Config | None = None) ->
 
 def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     cfg = parse_args(argv, defaults)
+    require_server(cfg.base_url)  # one line, not minutes of retries, when no server runs there
     from twinkle.dataloader import DataLoader
     from twinkle.dataset import Dataset, DatasetMeta
     from twinkle.preprocessor import DPOProcessor
@@ -107,4 +110,5 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with server_messages():  # a wrong model name or key: the server's message, not a traceback
+        main()

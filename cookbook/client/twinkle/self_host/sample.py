@@ -7,7 +7,7 @@ encodes it with the chat template and an open assistant turn, and decodes what c
     python cookbook/client/twinkle/self_host/sample.py --question "你是谁？"
 
 The template needs the model's tokenizer on this machine: `--model-dir` (env TWINKLE_MODEL_DIR), by default
-the checkpoint's base model name, which works for hub models (Qwen/Qwen3.5-4B) but not for local ones.
+the tokenizer files the server serves for the checkpoint's base model (downloaded once), else its hub name.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import argparse
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from twinkle.example_connection import require_server, server_messages, tokenizer_dir
 
 
 @dataclass
@@ -64,6 +66,7 @@ def newest_checkpoint(client: Any) -> str | None:
 
 def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     cfg = parse_args(argv, defaults)
+    require_server(cfg.base_url)  # one line, not minutes of retries, when no server runs there
     from twinkle.data_format import Message, Trajectory
     from twinkle_client import init_twinkle_client
     from twinkle_client.sampler import Sampler
@@ -78,7 +81,9 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     print(f"Sampling from checkpoint {path} (base model {base_model})")
 
     sampler = Sampler(model_id=base_model)
-    sampler.set_template("Qwen3_5Template", model_id=cfg.model_dir or base_model)
+    sampler.set_template(
+        "Qwen3_5Template", model_id=cfg.model_dir or tokenizer_dir(cfg.base_url, cfg.api_key, base_model)
+    )
     trajectory = Trajectory(
         messages=[
             Message(role="system", content="You are a helpful assistant."),
@@ -100,4 +105,5 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with server_messages():  # a wrong model name or key: the server's message, not a traceback
+        main()

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from twinkle.example_connection import require_server, server_messages
+
 DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 CHECKPOINT_PREFIX = "twinkle-epoch-"  # how --resume latest recognises this example's checkpoints
 
@@ -87,6 +89,7 @@ def latest_checkpoint(client: Any, base_model: str) -> str | None:
 
 def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     cfg = parse_args(argv, defaults)
+    require_server(cfg.base_url)  # one line, not minutes of retries, when no server runs there
     from twinkle import get_logger
     from twinkle.dataloader import DataLoader
     from twinkle.dataset import DatasetMeta
@@ -171,4 +174,5 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with server_messages():  # a wrong model name or key: the server's message, not a traceback
+        main()

@@ -13,7 +13,8 @@ Each step:
     python cookbook/client/twinkle/self_host/short_math_grpo.py --max-steps 20
 
 The template needs the model's tokenizer on this machine (the prompts are encoded and the completions
-decoded here): `--model-dir` (env TWINKLE_MODEL_DIR), by default the base model's hub name.
+decoded here): `--model-dir` (env TWINKLE_MODEL_DIR), by default the tokenizer files the server serves for the
+base model (downloaded once), else its hub name.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from twinkle.example_connection import require_server, server_messages, tokenizer_dir
 
 DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 IGNORE_INDEX = -100
@@ -97,6 +100,7 @@ def rl_feature(
 
 def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     cfg = parse_args(argv, defaults)
+    require_server(cfg.base_url)  # one line, not minutes of retries, when no server runs there
     import random
 
     from twinkle.dataset import Dataset, DatasetMeta
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     from twinkle_client.sampler import Sampler
 
     client = init_twinkle_client(base_url=cfg.base_url, api_key=cfg.api_key)
-    model_dir = cfg.model_dir or cfg.base_model
+    model_dir = cfg.model_dir or tokenizer_dir(cfg.base_url, cfg.api_key, cfg.base_model)
 
     # Only hub datasets have subsets; a local file or folder given with --dataset ignores the hosted default.
     subset = cfg.subset if "://" in cfg.dataset else None
@@ -171,4 +175,5 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with server_messages():  # a wrong model name or key: the server's message, not a traceback
+        main()

@@ -1,0 +1,142 @@
+"""A size limit on every request body, enforced while the body arrives (pure ASGI middleware).
+
+A declared Content-Length over the limit is refused before a byte of the body is read; a chunked body
+is counted as it streams and refused the moment it passes the limit, so a 300 MB upload costs the API
+at most the limit, never the upload. Compute routes (batches, prompts, encode rows) get the large
+`storage.max_request_bytes`; every other route, whose bodies are ids and small settings, gets
+`storage.max_control_request_bytes`.
+
+JSON bodies (what FastAPI parses: a JSON content type, or none) are collected here, still counted, and
+their nesting depth is checked before anything parses them (see `api.json_depth`); the app then reads
+them from memory. Other bodies (protobuf) stream through, counted.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from api.json_depth import MAX_JSON_DEPTH, nests_deeper_than
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# Last path segments of the routes that carry data rather than settings (Tinker and Twinkle routes, and
+# OpenAI-style completions): they get the large limit.
+COMPUTE_ROUTES = ("/forward_backward", "/forward", "/forward_only", "/asample", "/encode", "/completions")
+
+
+class _TooLarge(Exception):
+    """The body passed its limit while the app was reading it."""
+
+
+class BodyLimit:
+    def __init__(self, app: App, *, max_bytes: int, max_control_bytes: int,
+                 max_depth: int = MAX_JSON_DEPTH) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.max_control_bytes = min(max_control_bytes, max_bytes)
+        self.max_depth = max_depth
+
+    def limit_for(self, path: str) -> int:
+        return self.max_bytes if path.rstrip("/").endswith(COMPUTE_ROUTES) else self.max_control_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        limit = self.limit_for(scope["path"])
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            await _refuse_too_large(send, headers, limit, int(declared))
+            return
+        if _is_json(headers):
+            await self._json(scope, receive, send, headers, limit)
+        else:
+            await self._streamed(scope, receive, send, headers, limit)
+
+    async def _json(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str], limit: int) -> None:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _refuse_too_large(send, headers, limit, None)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        del chunks
+        if nests_deeper_than(body, self.max_depth):
+            await _refuse(send, headers, 400, "invalid_request", f"The JSON body nests deeper than {self.max_depth} "
+                          "levels. Flatten the nested lists and objects; no field of this API nests that deep.")
+            return
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered, body
+            if delivered:
+                return await receive()  # after the body: waits for the disconnect, as the server would
+            delivered = True
+            message, body = {"type": "http.request", "body": body, "more_body": False}, b""
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _streamed(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
+                        limit: int) -> None:
+        size, over = 0, False
+
+        async def counted() -> Message:
+            nonlocal size, over
+            message = await receive()
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > limit:
+                    over = True
+                    raise _TooLarge
+            return message
+
+        async def guarded(message: Message) -> None:
+            if not over:  # whatever the app answers to a body cut short, the 413 below replaces it
+                await send(message)
+
+        try:
+            await self.app(scope, counted, guarded)
+        except Exception:
+            if not over:
+                raise
+        if over:
+            await _refuse_too_large(send, headers, limit, None)
+
+
+def _is_json(headers: dict[str, str]) -> bool:
+    if headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+        return False  # compressed: the route decompresses, bounded, and checks the depth itself
+    kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return not kind or kind == "application/json" or kind.endswith("+json")
+
+
+async def _refuse_too_large(send: Send, headers: dict[str, str], limit: int, declared: int | None) -> None:
+    size = f"{declared} bytes" if declared is not None else "more than that"
+    await _refuse(send, headers, 413, "payload_too_large", f"The request body is {size}; this route accepts at "
+                  f"most {limit} bytes. Send smaller requests (split a batch into chunks).")
+
+
+async def _refuse(send: Send, headers: dict[str, str], status: int, code: str, message: str) -> None:
+    rid = headers.get("x-request-id") or uuid.uuid4().hex[:16]
+    body = json.dumps({"error": message, "category": "user", "code": code, "request_id": rid}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", rid.encode("latin-1")), (b"x-should-retry", b"false"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

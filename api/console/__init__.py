@@ -1,0 +1,1 @@
+"""The tenant web console at /console: server-rendered HTML fragments, one small script, no CDN."""

@@ -1,0 +1,99 @@
+"""The console's routes: one HTML shell and two static assets (no key needed: they hold no data), and the
+fragments and JSON the shell's script fetches with the API key from the browser session (X-API-Key).
+
+The key never becomes a cookie: each fragment request carries it as a header, authenticated like any API
+call, so a page only ever shows the caller's own tenant, and operators (`auth.admin_keys`) see the pools too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import FileResponse, HTMLResponse
+
+from api.console import pages
+from api.console.readings import pool_readings, recent_errors, run_series, tenant_readings
+from api.context import ApiContext
+from api.deps import Ctx, Tenant
+from twinkle.auth import key_from_headers
+from twinkle.checkpoints import CHECKPOINT_TYPES, CheckpointRef
+from twinkle.errors import NotFound
+
+router = APIRouter(prefix="/console", include_in_schema=False)
+STATIC = Path(__file__).parent / "static"
+ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
+# No inline script or style, nothing from another origin, never framed, never cached (pages hold tenant data).
+HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def _html(body: str) -> HTMLResponse:
+    return HTMLResponse(body, headers=HEADERS)
+
+
+@router.get("")
+@router.get("/")
+async def shell() -> FileResponse:
+    return FileResponse(STATIC / "index.html", media_type="text/html", headers=HEADERS)
+
+
+@router.get("/static/{name}")
+async def asset(name: str) -> FileResponse:
+    if name not in ASSETS:
+        raise NotFound(f"No console asset {name!r}.")
+    return FileResponse(STATIC / name, media_type=ASSETS[name], headers=HEADERS)
+
+
+def _is_admin(ctx: ApiContext, x_api_key: str | None, authorization: str | None) -> bool:
+    return ctx.auth.is_admin(key_from_headers(x_api_key, authorization))
+
+
+def _downloads(ctx: ApiContext, request: Request, tenant: str) -> Any:
+    """A function giving a checkpoint's signed archive URL (valid without the key, until it expires)."""
+    from api.routes.downloads import _signed
+
+    def link(run_id: str, entry: dict[str, Any]) -> str | None:
+        kind, _, name = str(entry.get("checkpoint_id", "")).partition("/")
+        if kind not in CHECKPOINT_TYPES or not name:
+            return None
+        ref = CheckpointRef(run_id, kind, name)  # type: ignore[arg-type]
+        url, _ = _signed(ctx, request, tenant, "download_archive", f"{ref.uri()}/archive.tar",
+                         run_id=ref.run_id, kind=ref.kind, name=ref.name)
+        return url
+
+    return link
+
+
+@router.get("/fragments/overview")
+async def overview(request: Request, ctx: Ctx, tenant: Tenant,
+                   x_api_key: Annotated[str | None, Header()] = None,
+                   authorization: Annotated[str | None, Header()] = None) -> HTMLResponse:
+    readings = await tenant_readings(ctx, tenant)
+    checkpoints = {run.model_id: list(reversed(await ctx.store.checkpoints(run.model_id))) for run in readings.runs}
+    admin = ""
+    if _is_admin(ctx, x_api_key, authorization):
+        admin = pages.admin_section(await pool_readings(ctx), await recent_errors(ctx))
+    return _html(pages.overview(readings, {k: v for k, v in checkpoints.items() if v},
+                                _downloads(ctx, request, tenant), admin=admin))
+
+
+@router.get("/fragments/runs/{run_id}")
+async def run(run_id: str, request: Request, ctx: Ctx, tenant: Tenant) -> HTMLResponse:
+    record, series = await run_series(ctx, tenant, run_id)
+    checkpoints = list(reversed(await ctx.store.checkpoints(run_id)))
+    return _html(pages.run_page(record, series, checkpoints, _downloads(ctx, request, tenant)))
+
+
+@router.get("/api/runs/{run_id}/metrics")
+async def run_metrics(run_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    """The same per-step series as JSON, for scripts and notebooks."""
+    record, series = await run_series(ctx, tenant, run_id)
+    return {"run_id": record.model_id, "steps": record.steps,
+            "series": {name: [[s, v] for s, v in points] for name, points in series.items()}}

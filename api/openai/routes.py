@@ -1,0 +1,458 @@
+"""`/v1/chat/completions`, `/v1/completions`, `/v1/models`: OpenAI-compatible sampling for evaluation tools.
+
+`model` is a served base model or one of the caller's checkpoint paths (`tinker://<run>/sampler_weights/<name>`);
+another tenant's checkpoint is a 404 like a missing one. The API applies the model's chat template and
+tokenizes (twinkle.chat_tokenizer, no torch here), then submits one sample op per prompt to the sampler pool
+exactly like `/asample` (a future underneath, so continuous batching applies) and waits for it. Streaming
+answers with server-sent events: the role at once, keep-alive comments while the op waits, and the text as
+the sampler pool publishes its tokens (api/openai/token_feed.py); samplers that cannot stream send it whole
+at the end, as per-token deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+
+from api.context import ApiContext
+from api.deps import Ctx, Tenant
+from api.errors import request_id_of
+from api.openai import wire
+from api.openai.token_feed import Check, TokenFeed, follow_without_feed
+from api.routes.futures import wait_for_future
+from api.routes.sampling import _target
+from twinkle.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
+from twinkle.checkpoints import SCHEMES
+from twinkle.errors import BackendFailure, InvalidRequest, NotFound, RateLimited, TwinkleError
+from twinkle.futures import FutureStatus, Op
+from twinkle.types import SampleOutput, SampleRequest, SamplingParams, chunks_from_tokens
+
+DEFAULT_CHAT_MAX_TOKENS = 512  # OpenAI's "up to the context" would make a CPU model talk for minutes
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_PROMPTS = 64
+KEEPALIVE_SECONDS = 10.0
+
+
+class OpenAIRoute(APIRoute):
+    """Errors in OpenAI's shape (`{"error": {"message", "type", "code"}}`), which OpenAI clients read."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def shaped(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except TwinkleError as exc:
+                return _error(request, exc.status_code, str(exc), exc.code, exc)
+            except RequestValidationError as exc:
+                problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: "
+                                     f"{e.get('msg', 'invalid')}" for e in exc.errors()[:20])
+                return _error(request, 400, f"Invalid request: {problems}. Fix these fields and resend.",
+                              "invalid_request")
+
+        return shaped
+
+
+def _error(request: Request, status: int, message: str, code: str, exc: TwinkleError | None = None) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    headers = {"x-request-id": request_id_of(request)}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(max(1, round(float(exc.details.get("retry_after", 1)))))
+    return JSONResponse(wire.error_body(message, kind, code), status_code=status, headers=headers)
+
+
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
+
+
+@dataclass
+class Target:
+    model: str  # as the caller named it, echoed back
+    queue: str
+    adapter_dir: str | None
+    tokenizer: ChatTokenizer
+    context: int | None
+
+
+async def resolve(ctx: ApiContext, tenant: str, model: str) -> Target:
+    if model.startswith(SCHEMES):
+        name, queue, adapter_dir = await _target(ctx, tenant, None, model)  # NotFound unless the caller's
+    else:
+        try:
+            name, queue, adapter_dir = await _target(ctx, tenant, model, None)
+        except InvalidRequest as exc:
+            raise NotFound(f"The model {model!r} does not exist here.", hint=exc.hint) from None
+    served = ctx.catalog.find(name)
+    info = await ctx.model_info(served) or {}
+    tokenizer_dir = info.get("tokenizer_id")
+    if not (tokenizer_dir and Path(tokenizer_dir).is_dir()):
+        from twinkle.template.hub import model_directory
+
+        tokenizer_dir = str(await asyncio.to_thread(model_directory, served.model_id))
+    tokenizer = await asyncio.to_thread(load_chat_tokenizer, str(tokenizer_dir))
+    return Target(model, queue, adapter_dir, tokenizer, served.max_length or info.get("max_context_length"))
+
+
+def _params(body: wire.SamplingFields, max_tokens: int, tokenizer: ChatTokenizer) -> SamplingParams:
+    unsupported = body.unsupported()
+    if unsupported:
+        raise InvalidRequest(f"Twinkle does not support {', '.join(unsupported)}.", hint="Leave them unset.")
+    stop_ids = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    return SamplingParams(max_tokens=max(1, max_tokens), temperature=1.0 if body.temperature is None
+                          else body.temperature, top_p=body.top_p or 1.0,
+                          top_k=-1 if body.top_k in (None, 0) else int(body.top_k), seed=body.seed,
+                          stop_token_ids=stop_ids, stop_strings=body.stop_strings())
+
+
+async def submit(ctx: ApiContext, tenant: str, target: Target, prompt: list[int], params: SamplingParams, n: int,
+                 *, prompt_logprobs: int = 0, feed: TokenFeed | None = None) -> str:
+    if target.context and len(prompt) + params.max_tokens > target.context:
+        raise InvalidRequest(f"The prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's context of {target.context} tokens.",
+                             hint="Shorten the prompt or lower max_tokens.")
+    req = SampleRequest(prompt=chunks_from_tokens(prompt), params=params, num_samples=n,
+                        prompt_logprobs=prompt_logprobs > 0, topk_prompt_logprobs=prompt_logprobs,
+                        adapter_path=target.adapter_dir, stream_channel=feed.channel if feed else None)
+    await ctx.limiter.admit(tenant, target.queue, input_tokens=len(prompt))
+    return await ctx.store.submit(op=Op.SAMPLE, owner=tenant, model_id="", queue=target.queue, payload=req)
+
+
+async def outcome(ctx: ApiContext, tenant: str, request_id: str, *,
+                  timeout: float | None = None) -> SampleOutput | None:
+    """The op's output once it finished (None when `timeout` passed first); a failed op raises its error."""
+    record = await ctx.store.future(request_id, tenant)
+    while not record.state.terminal:
+        record = await wait_for_future(ctx, record, tenant, ctx.long_poll_seconds if timeout is None else timeout)
+        if timeout is not None and not record.state.terminal:
+            return None
+    if record.state is FutureStatus.FAILED:
+        raise (InvalidRequest if record.category == "user" else BackendFailure)(record.error or "Sampling failed.")
+    result: SampleOutput = await ctx.store.result(request_id)
+    return result
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """OpenAI leaves the stop sequence out of the text."""
+    cut = min((i for s in stops if (i := text.find(s)) >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+@dataclass
+class Choice:
+    text: str
+    finish_reason: str
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def choices_of(out: SampleOutput, tokenizer: ChatTokenizer, stops: Sequence[str], keep_tokens: bool = True
+               ) -> list[Choice]:
+    choices = []
+    for seq in out.sequences:
+        tokens = list(seq.tokens) if keep_tokens else []
+        text, stopped = cut_at_stop(tokenizer.decode(tokens), stops)
+        reason = "stop" if stopped or seq.stop_reason == "stop" else "length"
+        choices.append(Choice(text, reason, tokens, list(seq.logprobs)[: len(tokens)]))
+    return choices
+
+
+# -- chat ----------------------------------------------------------------------------------------------------
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(body: wire.ChatCompletionBody, ctx: Ctx, tenant: Tenant) -> Response | dict[str, Any]:
+    target = await resolve(ctx, tenant, body.model)
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+    prompt_text = target.tokenizer.render(messages, add_generation_prompt=True)
+    prompt = target.tokenizer.encode(prompt_text, add_special_tokens=False)
+    max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    params = _params(body, max_tokens, target.tokenizer)
+    if body.stream:
+        feed = await TokenFeed.open(ctx)
+        try:
+            request_id = await submit(ctx, tenant, target, prompt, params, body.n, feed=feed)
+        except BaseException:
+            await feed.close()
+            raise
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _sse(_chat_stream(ctx, tenant, request_id, feed, target, body, len(prompt), include_usage))
+    request_id = await submit(ctx, tenant, target, prompt, params, body.n)
+    ident = f"chatcmpl-{request_id}"
+    out = await outcome(ctx, tenant, request_id)
+    assert out is not None
+    choices = choices_of(out, target.tokenizer, params.stop_strings)
+    return wire.envelope("chat.completion", ident, body.model, [
+        {"index": i, "message": {"role": "assistant", "content": c.text},
+         "logprobs": _chat_logprobs(c, target.tokenizer) if body.logprobs else None, "finish_reason": c.finish_reason}
+        for i, c in enumerate(choices)], usage=wire.usage(len(prompt), sum(len(c.tokens) for c in choices)))
+
+
+def _chat_logprobs(choice: Choice, tokenizer: ChatTokenizer) -> dict[str, Any]:
+    entries = []
+    for token, logprob in zip(choice.tokens, choice.logprobs, strict=False):
+        text = tokenizer.token_text(token)
+        entries.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": entries}
+
+
+async def _chat_stream(ctx: ApiContext, tenant: str, request_id: str, feed: TokenFeed, target: Target,
+                       body: wire.ChatCompletionBody, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    ident = f"chatcmpl-{request_id}"
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return _event(wire.envelope("chat.completion.chunk", ident, body.model, choices, **extra))
+
+    def content(index: int, piece: str) -> str:
+        return chunk([{"index": index, "delta": {"content": piece}, "finish_reason": None}])
+
+    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                 for i in range(body.n)])
+    texts = [DeltaText(target.tokenizer, body.stop_strings()) for _ in range(body.n)]
+    async for item in feed.follow(request_id, _check(ctx, tenant, request_id), KEEPALIVE_SECONDS):
+        if item is None:
+            yield ": keep-alive\n\n"
+        elif isinstance(item, list):  # tokens as the sampler generates them
+            for i, tokens in enumerate(item[: body.n]):
+                if piece := texts[i].grow(tokens):
+                    yield content(i, piece)
+        else:
+            choices = choices_of(item, target.tokenizer, body.stop_strings())
+            for i, c in enumerate(choices):
+                for piece in texts[i].finish(c):
+                    yield content(i, piece)
+                yield chunk([{"index": i, "delta": {}, "finish_reason": c.finish_reason}])
+            if include_usage:
+                yield chunk([], usage=wire.usage(prompt_tokens, sum(len(c.tokens) for c in choices)))
+    yield "data: [DONE]\n\n"
+
+
+# -- completions ---------------------------------------------------------------------------------------------
+
+
+def _prompts(body: wire.CompletionBody, tokenizer: ChatTokenizer) -> list[list[int]]:
+    raw = body.prompt
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+    elif raw and all(isinstance(t, int) for t in raw):
+        items = [raw]
+    else:
+        items = list(raw)
+    if len(items) > MAX_PROMPTS:
+        raise InvalidRequest(f"At most {MAX_PROMPTS} prompts per request, got {len(items)}.",
+                             hint="Send them in several requests.")
+    prompts = [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else [int(t) for t in p]
+               for p in items]
+    if any(not p for p in prompts):
+        raise InvalidRequest("A prompt is empty.", hint="Send at least one token of prompt.")
+    vocab = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+    if any(t < 0 or t >= vocab for p in prompts for t in p):
+        raise InvalidRequest(f"A prompt holds a token id outside the vocabulary (0..{vocab - 1}).",
+                             hint="Tokenize with the model's own tokenizer.")
+    return prompts
+
+
+@router.post("/completions", response_model=None)
+async def completions(body: wire.CompletionBody, ctx: Ctx, tenant: Tenant) -> Response | dict[str, Any]:
+    target = await resolve(ctx, tenant, body.model)
+    prompts = _prompts(body, target.tokenizer)
+    requested = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    params = _params(body, requested, target.tokenizer)
+    # echo + logprobs is how evaluation harnesses score a text: the prompt's own logprobs (and top-k for greedy)
+    prompt_k = max(1, body.logprobs or 0) if body.echo and body.logprobs is not None else 0
+    # one prompt streams its tokens as they come; several arrive each whole (one subscription per answer)
+    feed = await TokenFeed.open(ctx) if body.stream and len(prompts) == 1 else None
+    try:
+        ids = [await submit(ctx, tenant, target, p, params, body.n, prompt_logprobs=prompt_k, feed=feed)
+               for p in prompts]
+    except BaseException:
+        if feed is not None:
+            await feed.close()
+        raise
+    ident = f"cmpl-{ids[0]}"
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _sse(_completion_stream(ctx, tenant, ids, feed, ident, target, body, prompts, requested,
+                                       include_usage))
+    outs = await asyncio.gather(*(outcome(ctx, tenant, rid) for rid in ids))
+    choices: list[dict[str, Any]] = []
+    completion_tokens = 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out is not None
+        for c in choices_of(out, target.tokenizer, params.stop_strings, keep_tokens=requested > 0):
+            completion_tokens += len(c.tokens)
+            text = (target.tokenizer.decode(prompt) if body.echo else "") + c.text
+            logprobs = (_completion_logprobs(c, prompt, out, target.tokenizer, body)
+                        if body.logprobs is not None else None)
+            choices.append({"index": len(choices), "text": text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason if requested > 0 else "length"})
+    return wire.envelope("text_completion", ident, body.model, choices,
+                         usage=wire.usage(sum(len(p) for p in prompts), completion_tokens))
+
+
+def _completion_logprobs(choice: Choice, prompt: list[int], out: SampleOutput, tokenizer: ChatTokenizer,
+                         body: wire.CompletionBody) -> dict[str, Any]:
+    tokens: list[int] = []
+    logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    if body.echo:
+        tokens += prompt
+        logprobs += list(out.prompt_logprobs or [None] * len(prompt))[: len(prompt)]
+        for i, top in enumerate(list(out.topk_prompt_logprobs or [])[: len(prompt)]):
+            tops.append({tokenizer.token_text(t): lp for t, lp in top} if i and top else None)
+        tops += [None] * (len(prompt) - len(tops))
+    tokens += choice.tokens
+    logprobs += choice.logprobs
+    tops += [{tokenizer.token_text(t): lp} for t, lp in zip(choice.tokens, choice.logprobs, strict=False)]
+    texts = [tokenizer.token_text(t) for t in tokens]
+    offsets, at = [], 0
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops if body.logprobs else None,
+            "text_offset": offsets}
+
+
+async def _completion_stream(ctx: ApiContext, tenant: str, ids: list[str], feed: TokenFeed | None, ident: str,
+                             target: Target, body: wire.CompletionBody, prompts: list[list[int]], requested: int,
+                             include_usage: bool) -> AsyncIterator[str]:
+    def chunk(index: int, text: str, finish_reason: str | None = None) -> str:
+        return _event(wire.envelope("text_completion", ident, body.model, [
+            {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]))
+
+    first, completion_tokens = 0, 0
+    for prompt, request_id in zip(prompts, ids, strict=True):
+        check = _check(ctx, tenant, request_id)
+        items = feed.follow(request_id, check, KEEPALIVE_SECONDS) if feed else follow_without_feed(
+            check, KEEPALIVE_SECONDS)
+        texts = [DeltaText(target.tokenizer, body.stop_strings(), keep=requested > 0) for _ in range(body.n)]
+        if body.echo:
+            for i in range(body.n):
+                yield chunk(first + i, target.tokenizer.decode(prompt))
+        async for item in items:
+            if item is None:
+                yield ": keep-alive\n\n"
+            elif isinstance(item, list):
+                for i, tokens in enumerate(item[: body.n]):
+                    if piece := texts[i].grow(tokens):
+                        yield chunk(first + i, piece)
+            else:
+                choices = choices_of(item, target.tokenizer, body.stop_strings(), keep_tokens=requested > 0)
+                for i, c in enumerate(choices):
+                    completion_tokens += len(c.tokens)
+                    for piece in texts[i].finish(c):
+                        yield chunk(first + i, piece)
+                    yield chunk(first + i, "", c.finish_reason if requested > 0 else "length")
+        first += body.n
+    if include_usage:
+        yield _event(wire.envelope("text_completion", ident, body.model, [],
+                                   usage=wire.usage(sum(len(p) for p in prompts), completion_tokens)))
+    yield "data: [DONE]\n\n"
+
+
+# -- models --------------------------------------------------------------------------------------------------
+
+
+@router.get("/models")
+async def models(ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    """Served base models, then the caller's own sampler checkpoints (each usable as `model`)."""
+    data = [wire.model_entry(name, "twinkle") for name in sorted(ctx.catalog.models)]
+    for run in await ctx.store.list_runs(tenant):
+        for entry in await ctx.store.checkpoints(run.model_id):
+            if entry.get("checkpoint_type") == "sampler":
+                data.append(wire.model_entry(entry["tinker_path"], tenant))
+    return {"object": "list", "data": data}
+
+
+# -- streaming helpers ---------------------------------------------------------------------------------------
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(_guarded(events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _check(ctx: ApiContext, tenant: str, request_id: str) -> Check:
+    async def check(timeout: float) -> SampleOutput | None:
+        return await outcome(ctx, tenant, request_id, timeout=timeout)
+
+    return check
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A failure after the stream started cannot change the status code any more: it becomes an error event,
+    as OpenAI sends one, and the stream ends."""
+    try:
+        async for event in events:
+            yield event
+    except TwinkleError as exc:
+        yield _event(wire.error_body(str(exc), "invalid_request_error" if exc.category == "user"
+                                     else "server_error", exc.code))
+        yield "data: [DONE]\n\n"
+
+
+class DeltaText:
+    """One choice's text, sent as deltas: grown from the tokens streamed so far, completed from the output.
+
+    A preview never shows what the output may still take back: text past a stop sequence, the last
+    characters that could begin one, or a character whose bytes are still incomplete."""
+
+    def __init__(self, tokenizer: ChatTokenizer, stops: Sequence[str], *, keep: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.keep = keep  # False: max_tokens 0, no generated text is shown
+        self.shown = ""
+
+    def grow(self, tokens: list[int]) -> str:
+        if not self.keep:
+            return ""
+        text, stopped = cut_at_stop(self.tokenizer.decode(tokens), self.stops)
+        text = text.rstrip("\ufffd")
+        if not stopped and self.hold:
+            text = text[: max(0, len(text) - self.hold)]
+        if len(text) <= len(self.shown) or not text.startswith(self.shown):
+            return ""
+        piece, self.shown = text[len(self.shown) :], text
+        return piece
+
+    def finish(self, choice: Choice) -> list[str]:
+        """What the client has not seen yet: per-token deltas when nothing was streamed, else the rest."""
+        if not self.shown:
+            self.shown = choice.text
+            return _pieces(choice, self.tokenizer)
+        if not choice.text.startswith(self.shown):
+            return []  # decoding that does not grow by prefixes; nothing sent can be taken back
+        rest, self.shown = choice.text[len(self.shown) :], choice.text
+        return [rest] if rest else []
+
+
+def _pieces(choice: Choice, tokenizer: ChatTokenizer) -> list[str]:
+    """The text as per-token deltas; a token that ends inside a multi-byte character waits for the next."""
+    pieces, shown = [], ""
+    for end in range(1, len(choice.tokens) + 1):
+        text = tokenizer.decode(choice.tokens[:end])
+        if text.endswith("\ufffd") or not text.startswith(shown):
+            continue
+        piece, shown = text[len(shown) :], text
+        if len(shown) > len(choice.text):  # past a stop sequence
+            piece = piece[: max(0, len(choice.text) - (len(shown) - len(piece)))]
+        if piece:
+            pieces.append(piece)
+        if len(shown) >= len(choice.text):
+            break
+    if "".join(pieces) != choice.text:  # decoding that does not grow by prefixes: send the whole text
+        return [choice.text] if choice.text else []
+    return pieces

@@ -1,0 +1,127 @@
+"""Checkpoint downloads served by the API itself: signed URLs per file, and the whole checkpoint as a tar.
+
+The owner asks with its API key (`get_external_weights_urls`, or GET `.../archive`, which redirects) and
+gets URLs that work without a key until they expire, for urllib, curl or another machine. The download
+routes stream from disk and re-check that the checkpoint still exists inside the signed tenant's directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime
+from email.utils import formatdate
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import FileResponse, StreamingResponse
+
+from api.context import ApiContext
+from api.deps import Ctx, Tenant
+from twinkle.checkpoints import CHECKPOINT_TYPES, METADATA_FILE, CheckpointRef, validate_name
+from twinkle.download_urls import DownloadSigner
+from twinkle.errors import InvalidRequest, NotFound
+from twinkle.tar_stream import TarStream
+
+router = APIRouter()
+_EXCLUDED = frozenset({METADATA_FILE})  # Twinkle's bookkeeping, not part of the adapter
+
+
+def _signer(ctx: ApiContext) -> DownloadSigner:
+    if ctx.downloads is None:  # built on first use: it may create the secret file next to the checkpoints
+        ctx.downloads = DownloadSigner.from_storage(ctx.config.storage)
+    return ctx.downloads
+
+
+def _ref(run_id: str, kind: str, name: str) -> CheckpointRef:
+    if kind not in CHECKPOINT_TYPES:
+        raise InvalidRequest(f"Unknown checkpoint kind {kind!r}.",
+                             hint="Use weights/<name>, sampler_weights/<name> or external_weights/<name>.")
+    return CheckpointRef(validate_name(run_id, "run id"), kind, validate_name(name))  # type: ignore[arg-type]
+
+
+def _ref_of_id(run_id: str, checkpoint_id: str) -> CheckpointRef:
+    kind, _, name = checkpoint_id.partition("/")
+    return _ref(run_id, kind, name)
+
+
+async def _owned_dir(ctx: ApiContext, tenant: str, ref: CheckpointRef) -> Path:
+    await ctx.store.model(ref.run_id, tenant, active=False)  # another tenant's run: 404, like a missing one
+    return ctx.checkpoints.existing(tenant, ref)
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
+                  if p.is_file() and not p.is_symlink() and p.relative_to(directory).as_posix() not in _EXCLUDED)
+
+
+def _absolute(ctx: ApiContext, request: Request, route: str, **params: str) -> str:
+    url = str(request.url_for(route, **params))
+    public = ctx.config.storage.public_url
+    if public:  # behind a proxy: the host clients know, not the one this process sees
+        url = public.rstrip("/") + url[len(str(request.base_url).rstrip("/")):]
+    return url
+
+
+def _signed(ctx: ApiContext, request: Request, tenant: str, route: str, subject: str, **params: str
+            ) -> tuple[str, int]:
+    query, expires = _signer(ctx).sign(tenant, subject)
+    return _absolute(ctx, request, route, **params) + "?" + urlencode(query), expires
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+async def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, ctx: Ctx, tenant: Tenant
+                                ) -> dict[str, Any]:
+    """One signed URL per file of the checkpoint (the SDK's `get_external_weights_urls`)."""
+    ref = _ref_of_id(run_id, checkpoint_id)
+    directory = await _owned_dir(ctx, tenant, ref)
+    urls: dict[str, str] = {}
+    expires = 0
+    for name in await asyncio.to_thread(_files, directory):
+        urls[name], expires = _signed(ctx, request, tenant, "download_file", f"{ref.uri()}/{name}",
+                                      run_id=ref.run_id, kind=ref.kind, name=ref.name, file_path=name)
+    expires = expires or int(datetime.now(UTC).timestamp()) + _signer(ctx).ttl_seconds
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/archive")
+async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, ctx: Ctx, tenant: Tenant
+                             ) -> Response:
+    """302 to a signed URL of the checkpoint as one tar (the 0.25 SDK's archive call; curl -L works)."""
+    ref = _ref_of_id(run_id, checkpoint_id)
+    await _owned_dir(ctx, tenant, ref)
+    url, expires = _signed(ctx, request, tenant, "download_archive", f"{ref.uri()}/archive.tar",
+                           run_id=ref.run_id, kind=ref.kind, name=ref.name)
+    expires_iso = datetime.fromtimestamp(expires, UTC).isoformat()
+    return Response(content=json.dumps({"url": url, "expires": expires_iso}), status_code=302,
+                    media_type="application/json",
+                    headers={"Location": url, "Expires": formatdate(expires, usegmt=True)})
+
+
+@router.get("/downloads/{run_id}/{kind}/{name}/files/{file_path:path}", name="download_file")
+async def download_file(run_id: str, kind: str, name: str, file_path: str, ctx: Ctx,
+                        tenant: str = "", expires: str = "", signature: str = "") -> FileResponse:
+    ref = _ref(run_id, kind, name)
+    _signer(ctx).verify(tenant, f"{ref.uri()}/{file_path}", expires, signature)
+    directory = ctx.checkpoints.existing(tenant, ref)
+    path = directory / file_path
+    # the signature covers the path, but never serve outside the checkpoint or its bookkeeping file
+    if (file_path in _EXCLUDED or path.is_symlink() or not path.is_file()
+            or not path.resolve().is_relative_to(directory.resolve())):
+        raise NotFound(f"{file_path} is not a file of checkpoint {ref.uri()}.")
+    return FileResponse(path, media_type="application/octet-stream", filename=Path(file_path).name)
+
+
+@router.get("/downloads/{run_id}/{kind}/{name}/archive.tar", name="download_archive")
+async def download_archive(run_id: str, kind: str, name: str, ctx: Ctx,
+                           tenant: str = "", expires: str = "", signature: str = "") -> StreamingResponse:
+    ref = _ref(run_id, kind, name)
+    _signer(ctx).verify(tenant, f"{ref.uri()}/archive.tar", expires, signature)
+    directory = ctx.checkpoints.existing(tenant, ref)
+    stream = await asyncio.to_thread(TarStream, directory, ref.name, exclude=_EXCLUDED)
+    filename = f"{ref.run_id}-{ref.kind}-{ref.name}.tar".replace(":", "_")
+    return StreamingResponse(stream.chunks(), media_type="application/x-tar", headers={
+        "Content-Length": str(stream.content_length),
+        "Content-Disposition": f'attachment; filename="{filename}"'})

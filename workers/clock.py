@@ -1,0 +1,287 @@
+"""Clock cycles: a model pool runs the ready ops of many adapters together.
+
+With the clock on, a model pool holds up to `max_ops` messages at once (one Celery thread each). Each
+task thread hands its op to the clock as a `Job` and waits; one clock thread runs cycles:
+
+- a cycle is built from the ops in hand in delivery order (the consumer thread reports each message as it
+  is received, `arrived`, so the order is the queue's, i.e. acceptance order). An adapter's op joins only
+  if every earlier op of that adapter is in the same cycle or done: one adapter's ops never reorder;
+- the oldest runnable op decides the cycle: a fusable forward / forward_backward gathers every other
+  runnable fusable one (up to `max_ops` and `max_tokens`) into one fused pass through the base model
+  (`FusedRunner`, per-row LoRA); an optim_step gathers the other adapters' ready optim_steps, run back to
+  back; anything else (save, load, create, ...) runs alone;
+- before a cycle starts it waits up to `window_ms` for ops already delivered but still being read from
+  the broker by their threads, so a burst of clients shares one pass.
+
+Every job is begun (future marked running), checked (adapter alive) and run at its turn inside the cycle,
+under the pool's lock, and each job's outcome goes back to its own thread, which writes its own future:
+one op's error never fails another, and a crash mid-cycle leaves each op's future `running`, which its
+redelivery turns into its own `adapter_state_lost` failure, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from twinkle.futures import FutureRecord, Op
+from twinkle.types import ForwardBackwardInput, input_length
+
+log = logging.getLogger("twinkle.clock")
+
+COMPUTE_OPS = (Op.FORWARD, Op.FORWARD_BACKWARD)
+STALE_SECONDS = 600.0  # a delivered message whose thread never showed up (it cannot: threads >= prefetch)
+
+
+@dataclass
+class Job:
+    """One op handed over by its task thread."""
+
+    op: str
+    rec: FutureRecord
+    payload: Any
+    prepare: Callable[[], None]  # marks it running and checks its adapter; raises to fail it
+    call: Callable[[], Any]  # runs it alone through the pool's handler
+
+
+@dataclass
+class _Entry:
+    request_id: str
+    since: float = field(default_factory=time.monotonic)
+    job: Job | None = None
+    kind: str = ""  # "fused", "optim" or "single" once the job is in
+    tokens: int = 0
+    taken: bool = False  # in a cycle; its thread has not left yet, so later ops of its model still wait
+    outcome: Future[Any] = field(default_factory=Future)
+
+    @property
+    def key(self) -> str:
+        """Ops with the same key keep their order: the model, or the op itself when it has none."""
+        return self.job.rec.model_id if self.job and self.job.rec.model_id else self.request_id
+
+
+class FusedRunner:
+    """Runs fusable compute jobs of different adapters as one backend pass (backends with `run_fused`)."""
+
+    def __init__(self, backend: Any, after: Callable[[], None] | None = None) -> None:
+        self.backend = backend
+        self.after = after  # what the pool does after every op (publish slot residency), here after a pass
+
+    @staticmethod
+    def available(backend: Any) -> bool:
+        return callable(getattr(backend, "run_fused", None))
+
+    @staticmethod
+    def fusable(job: Job) -> bool:
+        """What the op alone says (task threads ask, without touching the backend): a Tinker-style compute
+        batch that reads the adapter and no images. Twinkle-native inputs go through their own handler."""
+        batch = job.payload
+        return (job.op in COMPUTE_OPS and isinstance(batch, ForwardBackwardInput) and not batch.disable_lora
+                and not any(datum.images() for datum in batch.data))
+
+    def split(self, jobs: list[Job]) -> tuple[list[Job], list[Job]]:
+        """The jobs whose adapters can share a fused pass, and the others (asked at run time, under the pool's
+        lock, since the backend may have to page an adapter in to answer)."""
+        fused: list[Job] = []
+        alone: list[Job] = []
+        # A pass needs all its adapters on the device at once: at most the backend's slots of them.
+        slots = getattr(getattr(self.backend, "tenants", None), "max_loras", None) or len(jobs)
+        adapters: set[str] = set()
+        for job in jobs:
+            adapter = job.rec.model_id
+            try:
+                reason = self.backend.fused_solo_reason(adapter, job.payload)
+            except Exception:  # noqa: BLE001 - its own call reports whatever is wrong with it
+                reason = "unknown"
+            if reason is None and adapter not in adapters and len(adapters) >= slots:
+                reason = "no slot left in this pass"
+            if reason is None:
+                adapters.add(adapter)
+            (fused if reason is None else alone).append(job)
+        return fused, alone
+
+    def run(self, jobs: list[Job]) -> list[Any]:
+        calls = [(job.rec.model_id, job.payload, job.op == Op.FORWARD_BACKWARD) for job in jobs]
+        try:
+            results: list[Any] = self.backend.run_fused(calls)
+        finally:
+            if self.after is not None:
+                self.after()
+        return results
+
+
+class Clock:
+    def __init__(self, lock: Any, running: Callable[[FutureRecord], contextlib.AbstractContextManager[None]],
+                 fuser: FusedRunner | None, *, window_ms: float = 5.0, max_ops: int = 16,
+                 max_tokens: int = 16384) -> None:
+        self.lock = lock
+        self.running = running
+        self.fuser = fuser
+        self.window = window_ms / 1000
+        self.max_ops = max_ops
+        self.max_tokens = max_tokens
+        self._order: list[_Entry] = []  # delivery order
+        self._by_id: dict[str, _Entry] = {}
+        self._cond = threading.Condition()
+        self.cycles = 0
+        self.fused_ops = 0  # ops that ran inside a fused pass of two or more
+
+    def start(self) -> Clock:
+        threading.Thread(target=self._loop, name="model-clock", daemon=True).start()
+        return self
+
+    # -- task threads ---------------------------------------------------------------------------
+
+    def arrived(self, request_id: str) -> None:
+        """The consumer received this message (called in queue order, before its thread starts)."""
+        if not request_id:
+            return  # not one of ours: nothing will hand it over
+        with self._cond:
+            self._entry(request_id)
+
+    def run(self, job: Job) -> Any:
+        """Run the job at its turn and return its result (or raise its error), from its own thread."""
+        with self._cond:
+            entry = self._entry(job.rec.request_id)
+            entry.job = job
+            entry.kind, entry.tokens = self._classify(job)
+            self._cond.notify_all()
+        return entry.outcome.result()
+
+    def leave(self, request_id: str) -> None:
+        """The message's thread is done with it (completed, failed, or never handed over)."""
+        with self._cond:
+            entry = self._by_id.pop(request_id, None)
+            if entry is not None:
+                self._order.remove(entry)
+                self._cond.notify_all()
+
+    def _entry(self, request_id: str) -> _Entry:
+        entry = self._by_id.get(request_id)
+        if entry is None:  # a redelivered duplicate or no `arrived` hook (in-process use): order of hand-over
+            entry = self._by_id[request_id] = _Entry(request_id)
+            self._order.append(entry)
+        return entry
+
+    def _classify(self, job: Job) -> tuple[str, int]:
+        if self.fuser is not None and self.fuser.fusable(job):
+            batch = job.payload
+            width = max((input_length(datum.model_input) for datum in batch.data), default=0)
+            return "fused", width * len(batch.data)
+        if job.op == Op.OPTIM_STEP:
+            return "optim", 0
+        return "single", 0
+
+    # -- the clock thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            cycle = self._next_cycle()
+            try:
+                self._run(cycle)
+            except BaseException as error:  # noqa: BLE001 - never leave a waiting thread behind
+                for entry in cycle:
+                    if not entry.outcome.done():
+                        entry.outcome.set_exception(error)
+
+    def _next_cycle(self) -> list[_Entry]:
+        with self._cond:
+            while True:
+                self._drop_stale()
+                if any(entry.job is not None and not entry.taken for entry in self._order):
+                    deadline = time.monotonic() + self.window
+                    while any(entry.job is None for entry in self._order) and time.monotonic() < deadline:
+                        self._cond.wait(max(0.0, deadline - time.monotonic()))
+                    cycle = self._pick()
+                    if cycle:
+                        for entry in cycle:
+                            entry.taken = True
+                        return cycle
+                self._cond.wait(1.0)  # run() and leave() notify
+
+    def _pick(self) -> list[_Entry]:
+        """The next cycle: the oldest runnable job and what may run with it, adapters' orders kept."""
+        blocked: set[str] = set()
+        cycle: list[_Entry] = []
+        kind, tokens = "", 0
+        for entry in self._order:
+            if entry.taken:
+                blocked.add(entry.key)  # still running in the previous cycle's hand-back
+                continue
+            key = entry.key
+            if key in blocked:
+                continue
+            if entry.job is None:
+                blocked.add(key)  # its thread has not handed it over: nothing after it on that model may pass
+                continue
+            if not cycle:
+                cycle.append(entry)
+                kind, tokens = entry.kind, entry.tokens
+                if kind == "single":
+                    break
+                continue
+            fits = len(cycle) < self.max_ops and (kind != "fused" or tokens + entry.tokens <= self.max_tokens)
+            if entry.kind == kind and fits:
+                cycle.append(entry)
+                tokens += entry.tokens
+            else:
+                blocked.add(key)
+        return cycle
+
+    def _drop_stale(self) -> None:
+        now = time.monotonic()
+        for entry in list(self._order):
+            if entry.job is None and now - entry.since > STALE_SECONDS:
+                log.warning("message %s was delivered but never handed over; no longer waiting for it",
+                            entry.request_id)
+                self._order.remove(entry)
+                self._by_id.pop(entry.request_id, None)
+
+    def _run(self, cycle: list[_Entry]) -> None:
+        jobs = [entry.job for entry in cycle if entry.job is not None]
+        with self.lock, self.running(jobs[0].rec):
+            ready: list[_Entry] = []
+            for entry in cycle:
+                assert entry.job is not None
+                try:
+                    entry.job.prepare()
+                except BaseException as error:  # noqa: BLE001 - its own failure
+                    entry.outcome.set_exception(error)
+                    continue
+                ready.append(entry)
+            alone = ready
+            if len(ready) > 1 and cycle[0].kind == "fused" and self.fuser is not None:
+                fusable, solo = self.fuser.split([entry.job for entry in ready if entry.job is not None])
+                if len(fusable) > 1:
+                    # Fusability is a property of the adapter here (dropout, layer kinds), so an adapter's ops
+                    # are all fused or all alone, and each keeps its order either way.
+                    by_job = {id(entry.job): entry for entry in ready}
+                    try:
+                        outcomes = self.fuser.run(fusable)
+                    except Exception:
+                        # Raised before any compute (a failure inside the pass is each call's own outcome), e.g.
+                        # more adapters than slots: nothing ran, so each op can still run alone.
+                        log.exception("a fused pass of %d ops failed; running them one at a time", len(fusable))
+                        solo = fusable + solo
+                        fusable, outcomes = [], []
+                    self.fused_ops += len(fusable)
+                    for job, outcome in zip(fusable, outcomes, strict=True):
+                        entry = by_job[id(job)]
+                        if isinstance(outcome, BaseException):
+                            entry.outcome.set_exception(outcome)
+                        else:
+                            entry.outcome.set_result(outcome)
+                    alone = [by_job[id(job)] for job in solo]
+            for entry in alone:
+                assert entry.job is not None
+                try:
+                    entry.outcome.set_result(entry.job.call())
+                except BaseException as error:  # noqa: BLE001 - its own failure
+                    entry.outcome.set_exception(error)
+        self.cycles += 1
