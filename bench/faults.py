@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,10 +34,9 @@ from typing import Any
 import httpx
 import psutil
 import redis
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from raw_client import Client, datum
+from raw_client import BenchServer, Client, datum, one_pool_config, pct, run_concurrently
 
 from tests.harness import free_port
 from tests.private_redis import PrivateRedis
@@ -54,61 +51,11 @@ KEYS = Keys("")
 POLL_KEY = "bench-polls"
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
-class Server:
+class Server(BenchServer):
     def __init__(self, workdir: Path, model_dir: Path, broker: PrivateRedis) -> None:
-        self.port = free_port()
-        cfg = {
-            "http_options": {"host": "127.0.0.1", "port": self.port},
-            "broker": {"url": broker.url},
-            "storage": {"checkpoint_dir": str(workdir / "ckpt")},
-            "applications": [
-                {"name": "server", "route_prefix": "/api/v1", "import_path": "server", "args": {}},
-                {"name": "models-tiny", "route_prefix": "/api/v1/model/tiny", "import_path": "model",
-                 "args": {"backend": "mock", "model_id": str(model_dir), "adapter_config": {"max_loras": 64}}},
-            ],
-        }
-        self.cfg_path = workdir / "faults.yaml"
-        self.cfg_path.write_text(yaml.safe_dump(cfg))
-        self.log = (workdir / "server.log").open("w+")
-
-    def start(self) -> None:
+        config = {**one_pool_config(workdir, model_dir, free_port()), "broker": {"url": broker.url}}
         # polls stay parked through the measurement (a 30 s long-poll would answer try_again midway)
-        env = dict(os.environ, TWINKLE_LOG_LEVEL="WARNING", TWINKLE_LONG_POLL_SECONDS="180")
-        self.proc = subprocess.Popen([sys.executable, "-m", "twinkle.server", "launch", "-c", str(self.cfg_path)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        started = time.monotonic()
-        while True:
-            self.log.seek(0)
-            if "[twinkle] ready" in self.log.read():
-                return
-            if self.proc.poll() is not None or time.monotonic() - started > 120:
-                self.log.seek(0)
-                raise RuntimeError("server failed to start:\n" + self.log.read())
-            time.sleep(0.05)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def api_process(self) -> psutil.Process:
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            if child.cmdline()[1:3] == ["-m", "api"]:
-                return child
-        raise RuntimeError("no API process")
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(timeout=60)
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api/v1"
+        super().__init__(workdir, "faults", config, env={"TWINKLE_LONG_POLL_SECONDS": "180"})
 
 
 # -- 1. outages ------------------------------------------------------------------------------------
@@ -250,11 +197,7 @@ def step_latencies(api: str, clients: int, seconds: float) -> list[float]:
             with lock:
                 out.append((time.perf_counter() - began) * 1000)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_concurrently(run, clients)
     return out
 
 

@@ -18,8 +18,6 @@ import asyncio
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,18 +26,12 @@ from pathlib import Path
 
 import httpx
 import psutil
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from raw_client import Client
+from raw_client import BenchServer, Client, one_pool_config, pct, run_concurrently
 
 from tests.harness import free_port
 from twinkle.tiny_model import ensure_tiny_model
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def summary(name: str, ms: list[float]) -> None:
@@ -59,59 +51,20 @@ def pss_mb(pids: list[int]) -> float:
     return total / 1024
 
 
-class Server:
+class Server(BenchServer):
     def __init__(self, workdir: Path, model_dir: Path) -> None:
-        self.port = free_port()
-        cfg = {
-            "http_options": {"host": "127.0.0.1", "port": self.port},
-            "storage": {"checkpoint_dir": str(workdir / "ckpt")},
-            "applications": [
-                {"name": "server", "route_prefix": "/api/v1", "import_path": "server", "args": {}},
-                {"name": "models-tiny", "route_prefix": "/api/v1/model/tiny", "import_path": "model",
-                 "args": {"backend": "mock", "model_id": str(model_dir), "adapter_config": {"max_loras": 64}}},
-            ],
-        }
-        self.cfg_path = workdir / "bench.yaml"
-        self.cfg_path.write_text(yaml.safe_dump(cfg))
-        self.log = (workdir / "server.log").open("w+")
-
-    def start(self) -> float:
-        started = time.perf_counter()
-        env = dict(os.environ, TWINKLE_LOG_LEVEL=os.environ.get("TWINKLE_LOG_LEVEL","WARNING"))
-        self.proc = subprocess.Popen([sys.executable, "-m", "twinkle.server", "launch", "-c", str(self.cfg_path)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        while True:
-            self.log.seek(0)
-            if "[twinkle] ready" in self.log.read():
-                return time.perf_counter() - started
-            if self.proc.poll() is not None or time.perf_counter() - started > 120:
-                self.log.seek(0)
-                raise RuntimeError("server failed to start:\n" + self.log.read())
-            time.sleep(0.02)
+        super().__init__(workdir, "bench", one_pool_config(workdir, model_dir, free_port()),
+                         env={"TWINKLE_LOG_LEVEL": os.environ.get("TWINKLE_LOG_LEVEL", "WARNING")})
 
     def pids(self) -> list[int]:
         parent = psutil.Process(self.proc.pid)
         return [parent.pid] + [c.pid for c in parent.children(recursive=True)]
-
-    def api_pid(self) -> int:
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            if "api" in child.cmdline() and "-m" in child.cmdline():
-                return int(child.pid)
-        raise RuntimeError("no API process")
 
     def worker_pid(self) -> int:
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             if "workers" in child.cmdline():
                 return int(child.pid)
         raise RuntimeError("no worker process")
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(timeout=60)
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api/v1"
 
 
 def bench_steps(api: str, steps: int) -> None:
@@ -136,13 +89,8 @@ def bench_throughput(api: str, clients: int, seconds: float = 5.0) -> None:
             pool[i].op()
             counts[i] += 1
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    rate = sum(counts) / (time.perf_counter() - started)
+    elapsed = run_concurrently(run, clients)
+    rate = sum(counts) / elapsed
     print(f"one model pool, {clients:>2} concurrent clients{'':<17} {rate:7.1f} ops/s (forward_backward, 32 tokens)")
 
 
@@ -167,7 +115,7 @@ async def _hold_polls(api: str, rids: list[str], key: str) -> None:
 
 def bench_pending_polls(server: Server, n: int = 2000) -> None:
     client = Client(server.api, "bench-polls")
-    api = psutil.Process(server.api_pid())
+    api = server.api_process()
     before = api.memory_info().rss / 2**20
     worker = psutil.Process(server.worker_pid())
     worker.suspend()  # ops stay queued: every long-poll below stays pending

@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from raw_client import datum
+from raw_client import BenchServer, datum, pct
 
 from tests.harness import free_port
 from twinkle.tiny_model import ensure_tiny_model
@@ -46,23 +42,15 @@ MIX: dict[str, float] = {"fb": 40, "optim": 25, "sample": 25, "retrieve": 10}
 WARMUP_SECONDS = 3.0
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
 SAMPLE = {"base_model": "tiny-qwen", "num_samples": 1, "prompt": {"chunks": [
     {"type": "encoded_text", "tokens": [5, 6, 7, 8]}]}, "sampling_params": {"max_tokens": 8, "temperature": 1.0}}
 
 
-class Server:
+class Server(BenchServer):
     def __init__(self, workdir: Path, model_dir: Path, rps_limit: float, writes_per_key: int) -> None:
-        self.port = free_port()
         limits = {"rps_limit": rps_limit, "window_seconds": 1}
-        cfg = {
-            "http_options": {"host": "127.0.0.1", "port": self.port},
+        config = {
+            "http_options": {"host": "127.0.0.1", "port": free_port()},
             "storage": {"checkpoint_dir": str(workdir / "ckpt"), "checkpoint_writes_per_key": writes_per_key},
             "applications": [
                 {"name": "server", "route_prefix": "/api/v1", "import_path": "server", "args": {}},
@@ -73,31 +61,7 @@ class Server:
                  "args": {"model_id": str(model_dir), "sampler_type": "mock", "queue_config": limits}},
             ],
         }
-        self.cfg_path = workdir / "load.yaml"
-        self.cfg_path.write_text(yaml.safe_dump(cfg))
-        self.log = (workdir / "server.log").open("w+")
-
-    def start(self) -> None:
-        env = dict(os.environ, TWINKLE_LOG_LEVEL="WARNING")
-        self.proc = subprocess.Popen([sys.executable, "-m", "twinkle.server", "launch", "-c", str(self.cfg_path)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        started = time.monotonic()
-        while True:
-            self.log.seek(0)
-            if "[twinkle] ready" in self.log.read():
-                return
-            if self.proc.poll() is not None or time.monotonic() - started > 120:
-                self.log.seek(0)
-                raise RuntimeError("server failed to start:\n" + self.log.read())
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(timeout=60)
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api/v1"
+        super().__init__(workdir, "load", config)
 
 
 @dataclass

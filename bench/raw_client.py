@@ -1,10 +1,96 @@
-"""The raw-HTTP client the benchmarks drive a server with: one session, one model, a 32-token datum."""
+"""What the benchmarks share: the server they launch (`BenchServer`), the raw-HTTP client they drive it with
+(one session, one model, a 32-token datum), concurrent clients on threads, and percentiles."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
+import yaml
+
+from tests.harness import api_process
+
+
+def pct(values: list[float], q: float) -> float:
+    """The `q`th percentile (0-100) of `values`; nan for none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def run_concurrently(run: Callable[[int], None], n: int) -> float:
+    """`run(0)` ... `run(n - 1)`, each on its own thread, all started at once; the seconds until all ended."""
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started
+
+
+def one_pool_config(workdir: Path, model_dir: Path, port: int) -> dict[str, Any]:
+    """A server config with one mock-backend model pool on the tiny model at `model_dir`, 64 adapters."""
+    return {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "storage": {"checkpoint_dir": str(workdir / "ckpt")},
+        "applications": [
+            {"name": "server", "route_prefix": "/api/v1", "import_path": "server", "args": {}},
+            {"name": "models-tiny", "route_prefix": "/api/v1/model/tiny", "import_path": "model",
+             "args": {"backend": "mock", "model_id": str(model_dir), "adapter_config": {"max_loras": 64}}},
+        ],
+    }
+
+
+class BenchServer:
+    """`twinkle-server launch` of `config` (written to `workdir`/`name`.yaml, its output in `workdir`/server.log),
+    with `env` on top of this process's environment and TWINKLE_LOG_LEVEL WARNING unless `env` sets it."""
+
+    def __init__(self, workdir: Path, name: str, config: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        self.port = int(config["http_options"]["port"])
+        self.cfg_path = workdir / f"{name}.yaml"
+        self.cfg_path.write_text(yaml.safe_dump(config))
+        self.log = (workdir / "server.log").open("w+")
+        self.env = {"TWINKLE_LOG_LEVEL": "WARNING", **(env or {})}
+
+    def start(self) -> float:
+        """Launch and wait until the server says it is ready; the seconds from launch to ready."""
+        started = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, "-m", "twinkle.server", "launch", "-c", str(self.cfg_path)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, **self.env),
+                                     start_new_session=True)
+        while True:
+            self.log.seek(0)
+            if "[twinkle] ready" in self.log.read():
+                return time.perf_counter() - started
+            if self.proc.poll() is not None or time.perf_counter() - started > 120:
+                self.log.seek(0)
+                raise RuntimeError("server failed to start:\n" + self.log.read())
+            time.sleep(0.02)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def api_process(self) -> psutil.Process:
+        return api_process(self.proc.pid)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(timeout=60)
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api/v1"
 
 
 def datum(n: int = 32) -> dict[str, Any]:

@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,7 @@ import psutil
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from raw_client import Client
+from raw_client import Client, run_concurrently
 
 from tests.harness import LaunchedServer, free_port, mock_config
 from twinkle.tiny_model import ensure_tiny_model
@@ -86,13 +85,7 @@ def replica_throughput(model_dir: Path, replicas: int, seconds: float) -> tuple[
                     clients[i].step()
                     counts[i] += 2  # ops
 
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(CLIENTS)]
-            started = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            elapsed = time.perf_counter() - started
+            elapsed = run_concurrently(run, CLIENTS)
             after = cpu_seconds(roles)
             return sum(counts) / elapsed, {k: after[k] - before.get(k, 0.0) for k in after}
         finally:

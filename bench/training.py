@@ -39,6 +39,8 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from raw_client import run_concurrently
+
 from tests.harness import launch
 from twinkle.tiny_model import ensure_tiny_model
 
@@ -234,13 +236,7 @@ def tenant_steps(base_url: str, vocab: int, tenants: int, steps: int) -> tuple[f
             with lock:
                 times.append((time.perf_counter() - started) * 1000)
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(tenants)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
+    wall = run_concurrently(run, tenants)
     return len(times) * MT_BATCH * SEQ / wall, times, errors[0]
 
 

@@ -8,12 +8,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import redis
+import redis.asyncio as aioredis
 import yaml
 
 from twinkle.keys import Keys
@@ -33,6 +37,37 @@ def require_redis() -> None:
         redis.Redis(host=REDIS_HOST, port=REDIS_PORT, socket_connect_timeout=1).ping()
     except redis.RedisError as exc:  # pragma: no cover - environment problem
         raise RuntimeError(f"The tests need Redis at {REDIS_HOST}:{REDIS_PORT} ({exc}); .ci/run starts one.") from exc
+
+
+@asynccontextmanager
+async def async_redis(db: int) -> AsyncIterator[aioredis.Redis]:
+    """An asyncio client of the tests' Redis, database `db`, closed afterwards."""
+    require_redis()
+    client = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=db)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group `proc` leads (started with start_new_session), SIGKILL after 40 s."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=40)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def api_process(launcher_pid: int) -> psutil.Process:
+    """The API process among the descendants of the `twinkle-server launch` process `launcher_pid`."""
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        if child.cmdline()[1:3] == ["-m", "api"]:
+            return child
+    raise AssertionError("no API process under the launcher")
 
 
 def mock_config(model_dir: Path, checkpoint_dir: Path, *, port: int, db: int, backend: str = "mock",
@@ -111,14 +146,12 @@ class LaunchedServer:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process_group(self.proc)
+
+    def api_process(self) -> psutil.Process:
+        assert self.proc is not None
+        return api_process(self.proc.pid)
 
     def client(self, api_key: str = "tml-test-key") -> httpx.Client:
         return httpx.Client(base_url=self.api, headers={"X-API-Key": api_key}, timeout=60)

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from api.checkpoint_writes import CheckpointWrites
-from tests.harness import REDIS_HOST, REDIS_PORT, require_redis
+from tests.harness import async_redis
 from twinkle.errors import RateLimited
 from twinkle.futures import new_request_id
 from twinkle.keys import Keys
@@ -19,10 +19,8 @@ from twinkle.keys import Keys
 
 @pytest.fixture
 async def r() -> AsyncIterator[aioredis.Redis]:
-    require_redis()
-    client = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=2)
-    yield client
-    await client.aclose()
+    async with async_redis(db=2) as client:
+        yield client
 
 
 def writes(r: aioredis.Redis, per_key: int = 2) -> CheckpointWrites:

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from api.ratelimit import RateLimiter, request_window
-from tests.harness import REDIS_HOST, REDIS_PORT, require_redis
+from tests.harness import async_redis
 from twinkle.config import QueueConfig
 from twinkle.errors import InvalidRequest, RateLimited
 from twinkle.keys import Keys
@@ -22,10 +22,8 @@ QUEUE = "model.pool.0"
 
 @pytest.fixture
 async def r() -> AsyncIterator[aioredis.Redis]:
-    require_redis()
-    client = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=2)
-    yield client
-    await client.aclose()
+    async with async_redis(db=2) as client:
+        yield client
 
 
 def limiter(r: aioredis.Redis, **config: Any) -> RateLimiter:

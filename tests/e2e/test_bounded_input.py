@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import zstandard
 
@@ -40,14 +39,6 @@ def model(server: LaunchedServer) -> str:
         return new_model(c)
 
 
-def api_process(server: LaunchedServer) -> psutil.Process:
-    assert server.proc is not None
-    for child in psutil.Process(server.proc.pid).children(recursive=True):
-        if child.cmdline()[1:3] == ["-m", "api"]:
-            return child
-    raise AssertionError("no API process under the launcher")
-
-
 def megabytes(n: int) -> Iterator[bytes]:
     chunk = b"[" + b"0," * (MB // 2 - 1) + b"0"  # looks like the start of a JSON list, never ends
     for _ in range(n):
@@ -56,7 +47,7 @@ def megabytes(n: int) -> Iterator[bytes]:
 
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
 def test_a_300_mb_body_is_refused_with_413_without_the_api_growing(server: LaunchedServer, declared: bool) -> None:
-    api = api_process(server)
+    api = server.api_process()
     before = api.memory_info().rss
     headers = {"X-API-Key": KEY, "content-type": "application/json"}
     if declared:

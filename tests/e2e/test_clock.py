@@ -17,11 +17,10 @@ import pytest
 import tinker
 from tinker import types
 
+from tests.e2e.test_foundation import assert_pipelined_ops_keep_each_adapters_order, fb_body, new_model, wait
 from tests.e2e.test_foundation import datum as foundation_datum
-from tests.e2e.test_foundation import fb_body, new_model, wait
 from tests.e2e.test_recovery import private_server, stop
 from tests.harness import LaunchedServer
-from twinkle.futures import FutureRecord
 from twinkle.keys import Keys
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -117,22 +116,7 @@ def test_concurrent_clients_get_their_solo_results_from_fused_cycles(clock_serve
 
 def test_pipelined_ops_of_four_adapters_keep_each_adapters_order_through_cycles(
         clock_server: LaunchedServer) -> None:
-    with clock_server.client("tml-clock-order") as c:
-        models = [new_model(c) for _ in range(4)]
-        submitted: dict[str, list[str]] = {m: [] for m in models}
-        for i in range(12):
-            for m in models:
-                if i % 3 == 2:
-                    r = c.post("/optim_step", json={"model_id": m, "adam_params": {"learning_rate": 0.01}})
-                else:
-                    r = c.post("/forward_backward", json=fb_body(m, [foundation_datum([3, 4, 5, 6, 7 + i % 5])]))
-                submitted[m].append(r.json()["request_id"])
-        for m in models:
-            assert all("error" not in wait(c, rid) for rid in submitted[m])
-            records = [FutureRecord.from_hash(clock_server.redis.hgetall(clock_server.keys.future(rid)))
-                       for rid in submitted[m]]
-            executed = [r.exec_index for r in records]
-            assert executed == sorted(executed) and len(set(executed)) == 12
+    assert_pipelined_ops_keep_each_adapters_order(clock_server, "tml-clock-order", rounds=12, optim_every=3)
 
 
 def test_a_worker_killed_mid_cycle_fails_every_op_of_the_cycle_on_its_own(clock_server: LaunchedServer) -> None:

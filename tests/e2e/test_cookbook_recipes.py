@@ -38,12 +38,6 @@ KEY = "tml-cookbook-acceptance"
 ADAM = types.AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8)
 
 
-@pytest.fixture(scope="module", params=["mock", "transformers"])
-def server(request: pytest.FixtureRequest) -> LaunchedServer:
-    launched: LaunchedServer = request.getfixturevalue(f"{request.param}_server")
-    return launched
-
-
 @pytest.fixture(scope="module")
 def service(server: LaunchedServer) -> Iterator[tinker.ServiceClient]:
     yield tinker.ServiceClient(base_url=server.base_url, api_key=KEY)

@@ -48,6 +48,29 @@ def new_model(c: httpx.Client, rank: int = 4) -> str:
     return str(r.json()["model_id"])
 
 
+def assert_pipelined_ops_keep_each_adapters_order(server: LaunchedServer, key: str, rounds: int,
+                                                  optim_every: int) -> None:
+    """Four adapters of `key` get `rounds` ops each, sent without waiting, the adapters taking turns (an
+    optim_step every `optim_every`th round, a forward_backward otherwise): every op succeeds, and each
+    adapter's ops ran once each, in the order they were sent."""
+    with server.client(key) as c:
+        models = [new_model(c) for _ in range(4)]
+        submitted: dict[str, list[str]] = {m: [] for m in models}
+        for i in range(rounds):
+            for m in models:
+                if i % optim_every == optim_every - 1:
+                    r = c.post("/optim_step", json={"model_id": m, "adam_params": {"learning_rate": 0.01}})
+                else:
+                    r = c.post("/forward_backward", json=fb_body(m, [datum([3, 4, 5, 6, 7 + i % 5])]))
+                submitted[m].append(r.json()["request_id"])
+        for m in models:
+            results = [wait(c, rid) for rid in submitted[m]]
+            assert all("error" not in r for r in results)
+            records = [FutureRecord.from_hash(server.redis.hgetall(server.keys.future(rid))) for rid in submitted[m]]
+            executed = [r.exec_index for r in records]
+            assert executed == sorted(executed) and len(set(executed)) == rounds
+
+
 def test_training_through_http_lowers_the_loss(mock_server: LaunchedServer) -> None:
     with mock_server.client("tml-loss") as c:
         model = new_model(c)
@@ -64,23 +87,7 @@ def test_training_through_http_lowers_the_loss(mock_server: LaunchedServer) -> N
 
 
 def test_pipelined_ops_on_four_adapters_run_in_per_adapter_order(mock_server: LaunchedServer) -> None:
-    with mock_server.client("tml-order") as c:
-        models = [new_model(c) for _ in range(4)]
-        submitted: dict[str, list[str]] = {m: [] for m in models}
-        for i in range(50):
-            for m in models:
-                if i % 2 == 0:
-                    r = c.post("/forward_backward", json=fb_body(m, [datum([3, 4, 5, 6, 7 + i % 5])]))
-                else:
-                    r = c.post("/optim_step", json={"model_id": m, "adam_params": {"learning_rate": 0.01}})
-                submitted[m].append(r.json()["request_id"])
-        for m in models:
-            results = [wait(c, rid) for rid in submitted[m]]
-            assert all("error" not in r for r in results)
-            records = [FutureRecord.from_hash(mock_server.redis.hgetall(mock_server.keys.future(rid)))
-                       for rid in submitted[m]]
-            executed = [r.exec_index for r in records]
-            assert executed == sorted(executed) and len(set(executed)) == 50
+    assert_pipelined_ops_keep_each_adapters_order(mock_server, "tml-order", rounds=50, optim_every=2)
 
 
 def test_a_retried_submit_returns_the_same_request_and_runs_once(mock_server: LaunchedServer) -> None:

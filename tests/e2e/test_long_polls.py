@@ -40,14 +40,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
     broker.kill()
 
 
-def api_process(server: LaunchedServer) -> psutil.Process:
-    assert server.proc is not None
-    for child in psutil.Process(server.proc.pid).children(recursive=True):
-        if child.cmdline()[1:3] == ["-m", "api"]:
-            return child
-    raise AssertionError("no API process")
-
-
 def queued_futures(server: LaunchedServer, n: int) -> list[str]:
     """Futures no worker will run (their queue has no consumer): only the test finishes them."""
     ids = [new_request_id() for _ in range(n)]
@@ -96,7 +88,7 @@ def connections_to(process: psutil.Process, port: int) -> int:
 
 async def test_two_thousand_pending_long_polls_hold_no_broker_connection_and_all_wake(server: LaunchedServer) -> None:
     raise_open_files_limit()  # this test's own 2,000 sockets
-    api = api_process(server)
+    api = server.api_process()
     port = server.config["http_options"]["port"]
     ids = queued_futures(server, POLLS)
     before = api.memory_info().rss

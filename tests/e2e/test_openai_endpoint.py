@@ -16,12 +16,6 @@ OWNER, STRANGER = "tml-openai-owner", "tml-openai-stranger"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello to the world."}]
 
 
-@pytest.fixture(scope="module", params=["mock", "transformers"])
-def server(request: pytest.FixtureRequest) -> LaunchedServer:
-    launched: LaunchedServer = request.getfixturevalue(f"{request.param}_server")
-    return launched
-
-
 def client(server: LaunchedServer, key: str = OWNER) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
 

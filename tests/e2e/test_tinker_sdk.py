@@ -32,13 +32,6 @@ def rl_datum(tokens: list[int], advantage: float) -> types.Datum:
 BATCH = [datum([5 + (i * 3 + k) % 40 for i in range(16)]) for k in range(4)]
 
 
-@pytest.fixture(scope="module", params=["mock", "transformers"])
-def server(request: pytest.FixtureRequest) -> LaunchedServer:
-    """Every test of this module runs against both backends."""
-    launched: LaunchedServer = request.getfixturevalue(f"{request.param}_server")
-    return launched
-
-
 @pytest.fixture(scope="module")
 def service(server: LaunchedServer) -> Iterator[tinker.ServiceClient]:
     client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-sdk-e2e")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from peft import LoraConfig
 
 from twinkle.backends import torch_losses
 from twinkle.backends.data_parallel import GradientReducer
@@ -81,12 +82,7 @@ class TransformersBackend:
         self.pager.admit(adapter_id)
         self._drop_spare_for_new_adapter()  # a new adapter's initial weights come from PEFT, seeded
         name = self.tenants.reserve(adapter_id)
-        config = lora_config(
-            spec,
-            base_model_name=self.info.model_name,
-            unembed_module=self.shared.unembed_module,
-            exclude_modules=self.shared.vision_modules,
-        )
+        config = self._lora_config(spec)
         seed = spec.seed if spec.seed is not None else secrets.randbits(63)
         try:
             self.shared.add_adapter(name, config, seed=seed)
@@ -128,15 +124,18 @@ class TransformersBackend:
         if spare is None:  # no spare of this shape: a fresh PEFT adapter, its initial weights overwritten below
             self._drop_spare_for_new_adapter()
             name = self.tenants.reserve(adapter_id)
-            config = lora_config(
-                spec,
-                base_model_name=self.info.model_name,
-                unembed_module=self.shared.unembed_module,
-                exclude_modules=self.shared.vision_modules,
-            )
-            self.shared.add_adapter(name, config, seed=paged.state.seed)
+            self.shared.add_adapter(name, self._lora_config(spec), seed=paged.state.seed)
             spare = name, self.shared.parameters(name)
         self.tenants.add(host_paging.restore(adapter_id, *spare, paged, self.device))
+
+    def _lora_config(self, spec: LoraSpec) -> LoraConfig:
+        """The PEFT config of a LoRA adapter `spec` on this model (never on its vision tower)."""
+        return lora_config(
+            spec,
+            base_model_name=self.info.model_name,
+            unembed_module=self.shared.unembed_module,
+            exclude_modules=self.shared.vision_modules,
+        )
 
     def _drop_spare_for_new_adapter(self) -> None:
         """Delete a spare's PEFT adapter when a new one would exceed max_loras on the device."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.harness import free_port
+from tests.harness import free_port, stop_process_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -74,13 +73,7 @@ class Launch:
             raise AssertionError(f"launch still running after {timeout} s:\n{self.output()}") from None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc)
 
 
 @pytest.fixture

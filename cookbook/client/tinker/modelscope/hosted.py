@@ -10,8 +10,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+from twinkle.example_connection import server_messages
 
 HOSTED_MODEL = os.environ.get("TWINKLE_BASE_MODEL", "Qwen/Qwen3.5-4B")
 
@@ -42,3 +46,11 @@ def self_host_example(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
+
+
+def run_hosted(name: str, **overrides: Any) -> None:
+    """Run the self_host example `name` on the hosted server: its Config defaults with the server's address and
+    token and `overrides` (the hosted model, dataset, learning rate...), the server's refusals as one line."""
+    with server_messages():
+        example = self_host_example(name)
+        example.main(defaults=replace(example.Config(), base_url=server_url(), api_key=server_token(), **overrides))

@@ -3,13 +3,7 @@
 TWINKLE_SERVER_URL=... MODELSCOPE_TOKEN=... python cookbook/client/tinker/modelscope/sample.py
 """
 
-from dataclasses import replace
-
-from hosted import self_host_example, server_token, server_url
-
-from twinkle.example_connection import server_messages
+from hosted import run_hosted
 
 if __name__ == "__main__":
-    with server_messages():
-        example = self_host_example("sample")
-        example.main(defaults=replace(example.Config(), base_url=server_url(), api_key=server_token()))
+    run_hosted("sample")

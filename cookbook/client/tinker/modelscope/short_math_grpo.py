@@ -5,25 +5,16 @@ defaults (Qwen/Qwen3.5-4B, ms://modelscope/gsm8k subset main, longer completions
 """
 
 import os
-from dataclasses import replace
 
-from hosted import HOSTED_MODEL, self_host_example, server_token, server_url
-
-from twinkle.example_connection import server_messages
+from hosted import HOSTED_MODEL, run_hosted
 
 if __name__ == "__main__":
-    with server_messages():
-        example = self_host_example("short_math_grpo")
-        example.main(
-            defaults=replace(
-                example.Config(),
-                base_url=server_url(),
-                api_key=server_token(),
-                base_model=HOSTED_MODEL,
-                dataset=os.environ.get("TWINKLE_DATASET", "ms://modelscope/gsm8k"),
-                subset="main",
-                max_tokens=512,
-                group_size=8,
-                learning_rate=1e-5,
-            )
-        )
+    run_hosted(
+        "short_math_grpo",
+        base_model=HOSTED_MODEL,
+        dataset=os.environ.get("TWINKLE_DATASET", "ms://modelscope/gsm8k"),
+        subset="main",
+        max_tokens=512,
+        group_size=8,
+        learning_rate=1e-5,
+    )

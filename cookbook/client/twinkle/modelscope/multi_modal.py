@@ -5,22 +5,13 @@ defaults (Qwen/Qwen3.5-4B, the ms://AI-ModelScope/LaTeX_OCR dataset).
 """
 
 import os
-from dataclasses import replace
 
-from hosted import HOSTED_MODEL, self_host_example, server_token, server_url
-
-from twinkle.example_connection import server_messages
+from hosted import HOSTED_MODEL, run_hosted
 
 if __name__ == "__main__":
-    with server_messages():
-        example = self_host_example("multi_modal")
-        example.main(
-            defaults=replace(
-                example.Config(),
-                base_url=server_url(),
-                api_key=server_token(),
-                base_model=os.environ.get("TWINKLE_VL_BASE_MODEL", HOSTED_MODEL),
-                dataset=os.environ.get("TWINKLE_VL_DATASET", "ms://AI-ModelScope/LaTeX_OCR"),
-                learning_rate=1e-4,
-            )
-        )
+    run_hosted(
+        "multi_modal",
+        base_model=os.environ.get("TWINKLE_VL_BASE_MODEL", HOSTED_MODEL),
+        dataset=os.environ.get("TWINKLE_VL_DATASET", "ms://AI-ModelScope/LaTeX_OCR"),
+        learning_rate=1e-4,
+    )
