@@ -158,6 +158,7 @@ ID_FREE = {
     ("GET", "/get_server_capabilities"), ("POST", "/create_session"), ("POST", "/telemetry"),
     ("GET", "/training_runs"), ("GET", "/checkpoints"), ("GET", "/sessions"),
     ("GET", "/twinkle/capacity_info"), ("POST", "/twinkle/encode"),
+    ("GET", "/tokenizer_files"), ("GET", "/tokenizer_files/{name}"),  # the served model's, the same for every key
 }
 
 
