@@ -156,11 +156,15 @@ class LaunchedServer:
     def client(self, api_key: str = "tml-test-key") -> httpx.Client:
         return httpx.Client(base_url=self.api, headers={"X-API-Key": api_key}, timeout=60)
 
-    def worker_pid(self, queue: str = "model.models-tiny.0") -> int:
+    def worker_pid(self, queue: str = "model.models-tiny.0", wait: float = 15.0) -> int:
+        """The pid in the pool's heartbeat; waits for one, since a restarted broker holds none until the
+        worker's next beat (every 2 s, once it has reconnected)."""
         import json
 
-        raw = self.redis.get(self.keys.pool_heartbeat(queue))
-        assert raw, "pool heartbeat missing"
+        deadline = time.time() + wait
+        while not (raw := self.redis.get(self.keys.pool_heartbeat(queue))):
+            assert time.time() < deadline, f"no heartbeat of {queue} for {wait} s"
+            time.sleep(0.2)
         return int(json.loads(raw)["pid"])
 
 

@@ -141,6 +141,8 @@ def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime) -> 
             orphans.sweep()
         except redis.RedisError:
             pass  # the broker is down; Celery reconnects on its own and so do we next round
+        except Exception:  # a dead heartbeat thread would make every op of this pool look lost
+            log.exception("pool %s: heartbeat failed; trying again", queue)
         time.sleep(HEARTBEAT_SECONDS)
 
 

@@ -74,6 +74,20 @@ def settled_in_broker(server: LaunchedServer, request_id: str) -> None:
     raise AssertionError(f"{request_id} never reached the broker")
 
 
+def freeze_mid_op(server: LaunchedServer, worker: int, request_ids: list[str]) -> str:
+    """SIGSTOP the worker while one of the ops runs (each takes only tens of ms on mock, so stop, look, and
+    let it go on if it was between two ops); returns the op it froze in."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        os.kill(worker, signal.SIGSTOP)
+        for request_id in request_ids:
+            if server.redis.hget(server.keys.future(request_id), "status") == b"running":
+                return request_id
+        os.kill(worker, signal.SIGCONT)
+        time.sleep(0.005)
+    raise AssertionError("no op was running whenever the worker was stopped")
+
+
 @pytest.fixture(scope="module")
 def durable(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
             ) -> Iterator[tuple[LaunchedServer, PrivateRedis]]:
@@ -143,16 +157,11 @@ def test_a_frozen_worker_is_caught_from_outside_its_op_times_out_and_queued_ops_
     server, _broker = durable
     with server.client("tml-frozen") as c:
         model, other = new_model(c), new_model(c)
-        running = submit(c, "/forward_backward", fb_body(model, SLOW))
-        deadline = time.time() + 30
-        while server.redis.hget(server.keys.future(running), "status") != b"running":  # let it start
-            assert time.time() < deadline
-            time.sleep(0.05)
+        steps = [submit(c, "/forward_backward", fb_body(model, SLOW)) for _ in range(30)]  # tens of ms each
         worker = server.worker_pid()
         queued = submit(c, "/forward", {"model_id": other, "forward_input": {
             "data": [datum([1, 2, 3])], "loss_fn": "cross_entropy"}})
-        settled_in_broker(server, queued)
-        os.kill(worker, signal.SIGSTOP)
+        running = freeze_mid_op(server, worker, steps)
         began = time.time()
         try:
             failed = settle(c, running, timeout=60)
