@@ -83,7 +83,8 @@ class LostFutures:
             beat = json.loads(raw_beat) if raw_beat else {}
             if float(beat.get("t", 0)) <= record.started_at:
                 return None  # no heartbeat since the op started: its worker may not have reported it yet
-            return bool(beat.get("current") == record.request_id)
+            # a clock cycle runs several ops at once; `current` names one, `held` all of them
+            return beat.get("current") == record.request_id or record.request_id in beat.get("held", ())
         if broker_started_at:
             raw_beat = await self.r.get(self.keys.pool_heartbeat(record.queue))
             beat = json.loads(raw_beat) if raw_beat else {}

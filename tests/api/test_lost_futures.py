@@ -98,6 +98,15 @@ async def test_a_running_future_its_worker_reports_is_kept(r: aioredis.Redis, ke
     assert await r.hget(keys.future(record.request_id), "broker_run_id") == NEW_RUN.encode()
 
 
+async def test_a_running_future_of_a_clock_cycle_is_kept_when_the_heartbeat_holds_it(
+        r: aioredis.Redis, keys: Keys) -> None:
+    record = await stored(r, keys, status=FutureStatus.RUNNING, started_at=time.time() - 5)
+    beat = {"t": time.time(), "current": "another-op-of-the-cycle", "held": ["another-op-of-the-cycle",
+                                                                             record.request_id]}
+    await r.set(keys.pool_heartbeat(record.queue), json.dumps(beat), ex=60)
+    assert (await LostFutures(r, keys).check(record, NEW_RUN)).status == FutureStatus.RUNNING
+
+
 async def test_a_record_from_the_current_broker_is_left_alone(r: aioredis.Redis, keys: Keys) -> None:
     record = await stored(r, keys, run_id=NEW_RUN)
     assert (await LostFutures(r, keys).check(record, NEW_RUN)).status == FutureStatus.QUEUED
