@@ -57,14 +57,14 @@ def _is_admin(ctx: ApiContext, x_api_key: str | None, authorization: str | None)
 
 def _downloads(ctx: ApiContext, request: Request, tenant: str) -> Any:
     """A function giving a checkpoint's signed archive URL (valid without the key, until it expires)."""
-    from api.routes.downloads import _signed
+    from api.routes.downloads import signed_url
 
     def link(run_id: str, entry: dict[str, Any]) -> str | None:
         kind, _, name = str(entry.get("checkpoint_id", "")).partition("/")
         if kind not in CHECKPOINT_TYPES or not name:
             return None
         ref = CheckpointRef(run_id, kind, name)  # type: ignore[arg-type]
-        url, _ = _signed(ctx, request, tenant, "download_archive", f"{ref.uri()}/archive.tar",
+        url, _ = signed_url(ctx, request, tenant, "download_archive", f"{ref.uri()}/archive.tar",
                          run_id=ref.run_id, kind=ref.kind, name=ref.name)
         return url
 

@@ -29,7 +29,7 @@ from api.errors import request_id_of
 from api.openai import wire
 from api.openai.token_feed import Check, TokenFeed, follow_without_feed
 from api.routes.futures import wait_for_future
-from api.routes.sampling import _target
+from api.routes.sampling import sampling_target
 from twinkle.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
 from twinkle.checkpoints import SCHEMES
 from twinkle.errors import BackendFailure, InvalidRequest, NotFound, RateLimited, TwinkleError
@@ -85,10 +85,10 @@ class Target:
 
 async def resolve(ctx: ApiContext, tenant: str, model: str) -> Target:
     if model.startswith(SCHEMES):
-        name, queue, adapter_dir = await _target(ctx, tenant, None, model)  # NotFound unless the caller's
+        name, queue, adapter_dir = await sampling_target(ctx, tenant, None, model)  # NotFound unless the caller's
     else:
         try:
-            name, queue, adapter_dir = await _target(ctx, tenant, model, None)
+            name, queue, adapter_dir = await sampling_target(ctx, tenant, model, None)
         except InvalidRequest as exc:
             raise NotFound(f"The model {model!r} does not exist here.", hint=exc.hint) from None
     served = ctx.catalog.find(name)

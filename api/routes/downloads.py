@@ -65,7 +65,7 @@ def _absolute(ctx: ApiContext, request: Request, route: str, **params: str) -> s
     return url
 
 
-def _signed(ctx: ApiContext, request: Request, tenant: str, route: str, subject: str, **params: str
+def signed_url(ctx: ApiContext, request: Request, tenant: str, route: str, subject: str, **params: str
             ) -> tuple[str, int]:
     query, expires = _signer(ctx).sign(tenant, subject)
     return _absolute(ctx, request, route, **params) + "?" + urlencode(query), expires
@@ -80,7 +80,7 @@ async def external_weights_urls(run_id: str, checkpoint_id: str, request: Reques
     urls: dict[str, str] = {}
     expires = 0
     for name in await asyncio.to_thread(_files, directory):
-        urls[name], expires = _signed(ctx, request, tenant, "download_file", f"{ref.uri()}/{name}",
+        urls[name], expires = signed_url(ctx, request, tenant, "download_file", f"{ref.uri()}/{name}",
                                       run_id=ref.run_id, kind=ref.kind, name=ref.name, file_path=name)
     expires = expires or int(datetime.now(UTC).timestamp()) + _signer(ctx).ttl_seconds
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
@@ -92,7 +92,7 @@ async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, 
     """302 to a signed URL of the checkpoint as one tar (the 0.25 SDK's archive call; curl -L works)."""
     ref = _ref_of_id(run_id, checkpoint_id)
     await _owned_dir(ctx, tenant, ref)
-    url, expires = _signed(ctx, request, tenant, "download_archive", f"{ref.uri()}/archive.tar",
+    url, expires = signed_url(ctx, request, tenant, "download_archive", f"{ref.uri()}/archive.tar",
                            run_id=ref.run_id, kind=ref.kind, name=ref.name)
     expires_iso = datetime.fromtimestamp(expires, UTC).isoformat()
     return Response(content=json.dumps({"url": url, "expires": expires_iso}), status_code=302,

@@ -21,7 +21,7 @@ from twinkle.types import SampleRequest, input_length
 router = APIRouter()
 
 
-async def _target(ctx: ApiContext, tenant: str, base_model: str | None, model_path: str | None
+async def sampling_target(ctx: ApiContext, tenant: str, base_model: str | None, model_path: str | None
                   ) -> tuple[str, str, str | None]:
     """(served model name, queue, adapter directory) for sampling a base model or a checkpoint."""
     adapter_dir = None
@@ -42,7 +42,7 @@ async def _target(ctx: ApiContext, tenant: str, base_model: str | None, model_pa
 @router.post("/create_sampling_session")
 async def create_sampling_session(body: CreateSamplingSessionBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     await ctx.store.session(body.session_id, tenant)
-    name, queue, _ = await _target(ctx, tenant, body.base_model, body.model_path)
+    name, queue, _ = await sampling_target(ctx, tenant, body.base_model, body.model_path)
     seq = body.sampling_session_seq_id if body.sampling_session_seq_id is not None else int(time.time() * 1000)
     sampling_session_id = checked_new_id(f"{body.session_id}:sample:{seq}", "sampling session id")
     record = SamplingSessionRecord(sampling_session_id=sampling_session_id, owner=tenant,
@@ -64,10 +64,10 @@ async def asample(body: SampleBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     dedupe_scope = ""
     if body.sampling_session_id:
         session = await ctx.store.sampling_session(body.sampling_session_id, tenant)
-        name, queue, adapter_dir = await _target(ctx, tenant, session.base_model, session.model_path or None)
+        name, queue, adapter_dir = await sampling_target(ctx, tenant, session.base_model, session.model_path or None)
         dedupe_scope = session.sampling_session_id
     else:
-        name, queue, adapter_dir = await _target(ctx, tenant, body.base_model, body.model_path)
+        name, queue, adapter_dir = await sampling_target(ctx, tenant, body.base_model, body.model_path)
     served = ctx.catalog.find(name)
     info = await ctx.model_info(served) or {}
     vocab = info.get("vocab_size")
