@@ -19,7 +19,7 @@ from api.deps import Ctx, Tenant
 from api.schemas import CopyWeightsBody, SaveWeightsExternalBody
 from twinkle.checkpoints import METADATA_FILE, CheckpointRef, index_entry, parse_checkpoint_path, validate_name
 from twinkle.encryption import parse_recipients
-from twinkle.errors import InvalidRequest
+from twinkle.errors import InvalidRequest, NotFound
 from twinkle.futures import Op
 from twinkle.records import ModelRecord
 from twinkle.types import SaveRequest
@@ -58,6 +58,7 @@ async def copy_weights(
     idempotency = ctx.keys.idempotency(tenant, f"copy_weights:{x_idempotency_key}") if x_idempotency_key else None
     if idempotency and (done := await ctx.store.r.get(idempotency)):
         return {"tinker_path": done.decode() if isinstance(done, bytes) else str(done)}
+    await _admit_copy(ctx, tenant, source)
     run_id, session_id = await _destination_run(ctx, tenant, body)
     target = CheckpointRef(run_id, source.kind, source.name)
     metadata = await asyncio.to_thread(_link_checkpoint, ctx, tenant, source_dir, target, body.source_path)
@@ -81,6 +82,17 @@ async def copy_weights(
         pipe.set(idempotency, target.uri(), ex=IDEMPOTENCY_TTL_SECONDS)
     await pipe.execute()
     return {"tinker_path": target.uri()}
+
+
+async def _admit_copy(ctx: ApiContext, tenant: str, source: CheckpointRef) -> None:
+    """A copy counts against the key's rate on the pool of the checkpoint's base model (a retried copy, answered
+    from its idempotency key above, does not)."""
+    try:
+        served = ctx.catalog.find(str(ctx.checkpoints.metadata(tenant, source).get("base_model", "")))
+    except NotFound:
+        return  # a base model no longer served has no pool whose limits apply
+    if served.model_queues:
+        await ctx.limiter.admit(tenant, served.model_queues[0])
 
 
 async def _destination_run(ctx: ApiContext, tenant: str, body: CopyWeightsBody) -> tuple[str, str]:

@@ -209,6 +209,8 @@ COSTLY: list[tuple[str, Callable[[str, str, str], dict[str, Any]]]] = [
     ("/unload_model", lambda model, sid, path: {"model_id": model}),
     ("/twinkle/save", lambda model, sid, path: {"model_id": model, "name": "flood"}),
     ("/twinkle/resume_from_checkpoint", lambda model, sid, path: {"model_id": model, "path": path}),
+    ("/copy_weights", lambda model, sid, path: {"source_path": path, "destination_project_id": "flood"}),
+    ("/save_weights_external", lambda model, sid, path: {"model_id": model, "path": f"x{time.time_ns()}"}),
 ]
 
 
