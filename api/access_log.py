@@ -9,7 +9,9 @@ or, when no route matched, the requested path cut to a safe length. The request 
 body carries (`request_id`) and the `x-request-id` response header: the client's own `x-request-id` when
 it sent one, else a fresh one. The tenant is the one-way tenant hash the auth dependency derived from
 the key (`-` before authentication); a raw key never reaches the log. The lines go to the
-`twinkle.api.access` logger, at INFO even when the API process logs at WARNING (`configure_from_env`).
+`twinkle.api.access` logger at INFO. When the API process logs at WARNING (a quiet `launch`, whose terminal
+shows state changes and errors only) the failures (status >= 400) are still written at INFO and the
+successes drop to DEBUG (`configure_from_env`); `launch -v` or TWINKLE_LOG_LEVEL=INFO logs every request.
 
 It is plain ASGI rather than a Starlette BaseHTTPMiddleware, which would buffer streamed bodies
 (long polls, file downloads) and run the app in a separate task.
@@ -53,10 +55,16 @@ def _route_of(scope: Scope) -> str:
     return safe if len(safe) <= _MAX_PATH_CHARS else safe[:_MAX_PATH_CHARS] + "..."
 
 
+_success_level = logging.INFO
+
+
 def configure_from_env() -> None:
-    """Keep the access log at INFO even when the process logs at WARNING (a quiet `launch` runs its children
+    """Keep the failures' lines at INFO even when the process logs at WARNING (a quiet `launch` runs its children
     so): the operator needs the line a user's request id points to. TWINKLE_ACCESS_LOG=0 turns it off."""
+    global _success_level
     off = os.environ.get(SWITCH_ENV, "").strip().lower() in ("0", "off", "false", "no")
+    quiet = logging.getLogger().getEffectiveLevel() > logging.INFO
+    _success_level = logging.DEBUG if quiet else logging.INFO
     log.setLevel(logging.CRITICAL + 1 if off else logging.INFO)
 
 
@@ -90,5 +98,6 @@ class AccessLog:
             await self.app(scope, receive, send_with_id)
         finally:
             elapsed_ms = (time.perf_counter() - started) * 1000
-            log.info("%s %s %d %.1fms rid=%s tenant=%s", scope.get("method", "?"), _route_of(scope), status,
-                     elapsed_ms, request_id, state.get("tenant") or "-")
+            log.log(logging.INFO if status >= 400 else _success_level, "%s %s %d %.1fms rid=%s tenant=%s",
+                    scope.get("method", "?"), _route_of(scope), status, elapsed_ms, request_id,
+                    state.get("tenant") or "-")

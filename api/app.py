@@ -29,6 +29,7 @@ from twinkle.catalog import Catalog
 from twinkle.celery_app import make_celery
 from twinkle.checkpoints import CheckpointStore
 from twinkle.keys import Keys
+from twinkle.server import verbosity
 from twinkle.telemetry import setup_api_telemetry
 
 log = logging.getLogger("twinkle.api")
@@ -76,7 +77,9 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
         await ctx.store.refresh_broker_identity()
         await ctx.hub.start()
         if ctx.auth.dev_mode:
-            log.warning("no API keys configured: DEV MODE, every key is accepted as its own tenant")
+            said = os.environ.get(verbosity.DEV_MODE_SAID_ENV) == "1"  # by the launcher, on its terminal
+            log.log(logging.INFO if said else logging.WARNING,
+                    "no API keys configured: DEV MODE, every key is accepted as its own tenant")
         yield
         await ctx.hub.close()
         await ctx.store.r.aclose()

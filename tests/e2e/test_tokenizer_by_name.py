@@ -111,3 +111,15 @@ def test_a_404_leaves_an_access_log_line_with_the_request_id_of_its_error_body_e
         time.sleep(0.05)
     assert len(lines) == 1 and "POST /api/v1/no_such_route 404" in lines[0] and "INFO" in lines[0]
     assert KEY not in named_server.log()
+
+
+def test_a_quiet_launch_keeps_successful_requests_out_of_its_terminal(named_server: LaunchedServer) -> None:
+    with httpx.Client(base_url=named_server.api, headers={"X-API-Key": KEY}, timeout=30) as http:
+        fine = http.get("/healthz", headers={"x-request-id": "quiet-success-1"})
+        missing = http.post("/no_such_route", json={}, headers={"x-request-id": "quiet-failure-1"})
+    assert fine.status_code == 200 and missing.status_code == 404
+    deadline = time.monotonic() + 10
+    while "rid=quiet-failure-1" not in named_server.log():  # written after the success: the pipe is in order
+        assert time.monotonic() < deadline, "no access log line for the failure"
+        time.sleep(0.05)
+    assert "rid=quiet-success-1" not in named_server.log()

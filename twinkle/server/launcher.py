@@ -305,6 +305,7 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
     if not config.auth.api_keys and not config.auth.keys_file:
         print("[twinkle] WARNING: no API keys configured - DEV MODE: any key is accepted and each distinct "
               "key is its own tenant. Configure auth.api_keys or auth.keys_file for shared servers.", flush=True)
+        os.environ[verbosity.DEV_MODE_SAID_ENV] = "1"
     snapshot_path = config.persistence.file_path if config.persistence.mode == "file" and only is None else None
     if snapshot_path:
         print(f"[twinkle] restored {restore_snapshot(r, snapshot_path)} durable records from {snapshot_path}",

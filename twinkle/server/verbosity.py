@@ -13,6 +13,7 @@ import warnings
 
 LEVEL_ENV = "TWINKLE_LOG_LEVEL"
 VERBOSE_ENV = "TWINKLE_VERBOSE"
+DEV_MODE_SAID_ENV = "TWINKLE_DEV_MODE_SAID"  # the launcher warned of development mode: its API need not again
 # libraries' notices for their own developers; builtin categories, so the interpreter resolves them at start
 _QUIET_WARNINGS = "ignore::FutureWarning,ignore::DeprecationWarning,ignore::PendingDeprecationWarning"
 

@@ -139,7 +139,10 @@ def test_launch_prints_no_celery_banner_or_per_task_lines_and_v_brings_them_back
         assert noise not in quiet, f"{noise!r} in the default output:\n{quiet}"
     assert "[twinkle] API listening on" in quiet and "[twinkle] ready in" in quiet
     assert "pool model.models-tiny.0 ready" in quiet
+    assert quiet.count("DEV MODE") == 1, quiet  # the launcher says it; its API does not say it again
+    assert "POST /api/v1/create_session 200" not in quiet  # successful requests' access lines
     assert "[queues]" in verbose and " succeeded in " in verbose
+    assert "POST /api/v1/create_session 200" in verbose
 
 
 def test_clear_persistence_finds_the_embedded_broker_of_the_running_launch(
