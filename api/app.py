@@ -28,6 +28,7 @@ from twinkle.auth import KeyChecker
 from twinkle.catalog import Catalog
 from twinkle.celery_app import make_celery
 from twinkle.checkpoints import CheckpointStore
+from twinkle.export_store import ExportStore
 from twinkle.keys import Keys
 from twinkle.server import verbosity
 from twinkle.telemetry import setup_api_telemetry
@@ -65,6 +66,7 @@ def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30
                       limiter=RateLimiter.from_config(r, keys, config, catalog),
                       writes=CheckpointWrites(r, keys, per_key=config.storage.checkpoint_writes_per_key,
                                               future_ttl=config.storage.future_ttl_seconds),
+                      export_store=ExportStore.from_storage(config.storage),
                       long_poll_seconds=long_poll_seconds, max_request_bytes=config.storage.max_request_bytes,
                       tinker_client_config=json.loads(os.environ.get("TWINKLE_TINKER_CLIENT_CONFIG") or "{}"))
 

@@ -14,6 +14,7 @@ from twinkle.auth import KeyChecker
 from twinkle.catalog import Catalog, ServedModel
 from twinkle.checkpoints import CheckpointStore
 from twinkle.download_urls import DownloadSigner
+from twinkle.export_store import ExportStore
 from twinkle.keys import Keys
 
 
@@ -32,6 +33,7 @@ class ApiContext:
     tinker_client_config: dict[str, Any] = field(default_factory=dict)
     writes: CheckpointWrites | None = None  # the per-key cap on outstanding checkpoint saves
     downloads: DownloadSigner | None = None  # signs download URLs; made on first use (api/routes/downloads.py)
+    export_store: ExportStore | None = None  # set: downloads come from an S3-compatible bucket instead
 
     async def model_info(self, served: ServedModel) -> dict[str, Any] | None:
         """What the pool published about its loaded model (vocab size, context length, tokenizer)."""

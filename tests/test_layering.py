@@ -19,6 +19,7 @@ def imported_after(statement: str) -> set[str]:
     ("statement", "forbidden"),
     [
         ("import api.app", {"torch", "transformers", "peft"}),
+        ("import api.app", {"boto3", "botocore"}),  # only a configured export store loads them
         ("import workers.pool, workers.handlers", {"fastapi", "starlette", "torch"}),
         ("import twinkle.types, twinkle.errors", {"torch", "fastapi", "celery", "pydantic"}),
         ("import twinkle.backends.mock, twinkle.samplers.mock", {"torch", "transformers"}),

@@ -14,7 +14,8 @@
         ├── AdapterStateLost          a worker crashed and the adapter's in-memory state is gone
         ├── BrokerUnavailable         Redis/Valkey cannot be reached (503)
         ├── BackendFailure            the model backend raised unexpectedly
-        └── StorageFailure            the checkpoint disk is full, read-only or not writable (507)
+        ├── StorageFailure            the checkpoint disk is full, read-only or not writable (507)
+        └── ExportStoreFailure        the S3-compatible export store is unreachable or refuses access (502)
 
 Errors cross process boundaries (Celery, Redis blobs), so each one pickles with its fields intact.
 """
@@ -153,6 +154,14 @@ class StorageFailure(ServerError):
 
     status_code = 507
     code = "storage_unavailable"
+
+
+class ExportStoreFailure(ServerError):
+    """Raised when the S3-compatible bucket that serves checkpoint downloads (storage.export_store) cannot be
+    reached, does not exist or refuses the server's credentials: the operator's to fix (502)."""
+
+    status_code = 502
+    code = "export_store_unavailable"
 
 
 class OpTimedOut(BackendFailure):

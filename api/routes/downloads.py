@@ -3,6 +3,8 @@
 The owner asks with its API key (`get_external_weights_urls`, or GET `.../archive`, which redirects) and
 gets URLs that work without a key until they expire, for urllib, curl or another machine. The download
 routes stream from disk and re-check that the checkpoint still exists inside the signed tenant's directory.
+With `storage.export_store` set, the same two calls answer presigned URLs of the bucket instead
+(twinkle/export_store.py); the download routes then only serve URLs handed out before it was set.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ async def external_weights_urls(run_id: str, checkpoint_id: str, request: Reques
     urls: dict[str, str] = {}
     expires = 0
     for name in await asyncio.to_thread(_files, directory):
+        if ctx.export_store is not None:
+            urls[name], expires = await asyncio.to_thread(ctx.export_store.file_url, tenant, ref, directory, name)
+            continue
         urls[name], expires = signed_url(ctx, request, tenant, "download_file", f"{ref.uri()}/{name}",
                                       run_id=ref.run_id, kind=ref.kind, name=ref.name, file_path=name)
     expires = expires or int(datetime.now(UTC).timestamp()) + _signer(ctx).ttl_seconds
@@ -91,9 +96,13 @@ async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, 
                              ) -> Response:
     """302 to a signed URL of the checkpoint as one tar (the 0.25 SDK's archive call; curl -L works)."""
     ref = _ref_of_id(run_id, checkpoint_id)
-    await _owned_dir(ctx, tenant, ref)
-    url, expires = signed_url(ctx, request, tenant, "download_archive", f"{ref.uri()}/archive.tar",
-                           run_id=ref.run_id, kind=ref.kind, name=ref.name)
+    directory = await _owned_dir(ctx, tenant, ref)
+    if ctx.export_store is not None:  # uploaded on the first ask, so this call may take as long as the upload
+        url, expires = await asyncio.to_thread(ctx.export_store.archive_url, tenant, ref, directory,
+                                               exclude=_EXCLUDED)
+    else:
+        url, expires = signed_url(ctx, request, tenant, "download_archive", f"{ref.uri()}/archive.tar",
+                                  run_id=ref.run_id, kind=ref.kind, name=ref.name)
     expires_iso = datetime.fromtimestamp(expires, UTC).isoformat()
     return Response(content=json.dumps({"url": url, "expires": expires_iso}), status_code=302,
                     media_type="application/json",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -125,6 +126,8 @@ async def weights_info(body: WeightsInfoBody, ctx: Ctx, tenant: Tenant) -> dict[
 async def delete_checkpoint(run_id: str, checkpoint_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     ref = _ref(run_id, checkpoint_id)
     await _owned_entry(ctx, tenant, ref)
+    if ctx.export_store is not None:  # first: a store that refuses leaves the checkpoint, so a retry can finish
+        await asyncio.to_thread(ctx.export_store.delete, tenant, ref)
     ctx.checkpoints.delete(tenant, ref)
     await ctx.store.r.hdel(ctx.keys.checkpoints(ref.run_id), ref.checkpoint_id)
     return {}

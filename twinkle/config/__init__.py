@@ -33,6 +33,7 @@ from twinkle.config.loader import config_to_dict, load_config, parse_config
 from twinkle.config.models import (
     AuthConfig,
     BrokerConfig,
+    ExportStoreConfig,
     FlowerConfig,
     HttpOptions,
     PersistenceConfig,
@@ -58,6 +59,7 @@ __all__ = [
     "DeviceGroup",
     "DeviceMesh",
     "EngineArgs",
+    "ExportStoreConfig",
     "FlowerConfig",
     "HttpOptions",
     "ModelApp",

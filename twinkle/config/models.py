@@ -113,6 +113,63 @@ class BrokerConfig(StrictModel):
         return _check_redis_url(url)
 
 
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ExportStoreConfig(StrictModel):
+    """An S3-compatible bucket (AWS S3, MinIO, Ceph, R2, ...) that serves checkpoint downloads instead of the API.
+    The keys come from the environment, never from this file."""
+
+    bucket: str
+    """Bucket the archives are uploaded to; it must exist (`launch` checks that it is reachable)."""
+    endpoint_url: str | None = None
+    """`http(s)://host:port` of an S3-compatible service such as MinIO; unset: AWS S3 of `region`. Download URLs
+    point here, so clients must reach it."""
+    region: str = "us-east-1"
+    """Region the URLs are signed for (MinIO and most others accept the default)."""
+    key_prefix: str = "twinkle/"
+    """Prefix of every object key: `<key_prefix><tenant>/<run>/<kind>/<name>/...`."""
+    addressing_style: Literal["path", "virtual"] | None = None
+    """`path` (bucket in the URL path) or `virtual` (bucket in the host name); unset: `path` with an
+    `endpoint_url`, `virtual` on AWS S3."""
+    access_key_id_env: str = "AWS_ACCESS_KEY_ID"
+    """Environment variable holding the access key id; with neither variable set, boto3's own chain (instance
+    role, `~/.aws`) is used."""
+    secret_access_key_env: str = "AWS_SECRET_ACCESS_KEY"
+    """Environment variable holding the secret access key."""
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket_name(cls, bucket: str) -> str:
+        if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+            raise config_problem(f"{bucket!r} is not a valid bucket name",
+                                 hint="use 3-63 lowercase letters, digits, '.' and '-', e.g. twinkle-exports")
+        return bucket
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_has_scheme(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise config_problem(f"{url!r} is not an HTTP URL", hint="write it as https://HOST[:PORT]")
+        return url
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _relative_prefix(cls, prefix: str) -> str:
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise config_problem(f"{prefix!r} is not a relative key prefix", hint="write it like twinkle/")
+        return prefix
+
+    @field_validator("access_key_id_env", "secret_access_key_env")
+    @classmethod
+    def _env_name(cls, name: str) -> str:
+        if not _ENV_NAME.fullmatch(name):
+            raise config_problem(f"{name!r} is not an environment variable name",
+                                 hint="name the variable (AWS_SECRET_ACCESS_KEY), never the key itself")
+        return name
+
+
 class StorageConfig(StrictModel):
     """Checkpoints on disk and retention of request payloads."""
 
@@ -137,6 +194,9 @@ class StorageConfig(StrictModel):
     public_url: str | None = None
     """Base URL clients reach the API at (e.g. `https://twinkle.example.org`), used in download URLs.
     Unset: the scheme and host the request came in on."""
+    export_store: ExportStoreConfig | None = None
+    """Serve checkpoint archives and external weight files from an S3-compatible bucket (presigned URLs with the
+    same lifetime) instead of the API; unset: the API serves them."""
 
 
 class AuthConfig(StrictModel):

@@ -157,6 +157,9 @@ def _launch(options: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
     if problems:
         return EXIT_FAILED
+    if only in (None, "api") and (store_problem := _export_store_problem(config)):
+        print(f"error: {store_problem}", file=sys.stderr)
+        return EXIT_FAILED
     from twinkle.server.launcher import launch  # deferred: it pulls in Ray, Celery and uvicorn
 
     return launch(
@@ -167,6 +170,25 @@ def _launch(options: argparse.Namespace) -> int:
         namespace=namespace,
         verbose=options.verbose,
     )
+
+
+def _export_store_problem(config: ServerConfig) -> str | None:
+    """A configured export store must answer at launch: a wrong bucket or key would fail every download later."""
+    if config.storage.export_store is None:
+        return None
+    from twinkle.errors import ExportStoreFailure
+
+    try:
+        from twinkle.export_store import ExportStore
+
+        store = ExportStore.from_storage(config.storage)
+        if store is not None:
+            store.check()
+    except ImportError:
+        return "storage.export_store needs boto3; install the server extra (pip install -e '.[server]')"
+    except ExportStoreFailure as exc:
+        return str(exc)
+    return None
 
 
 def _refuse_missing_model_dirs(source: str, config: ServerConfig, only_name: str | None = None) -> None:
