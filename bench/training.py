@@ -55,7 +55,7 @@ def token_rows(vocab: int) -> list[list[int]]:
     return [[(31 * i + 7 * row) % (vocab - 10) + 6 for i in range(SEQ + 1)] for row in range(BATCH)]
 
 
-def in_process_step_ms(model_dir: Path, steps: int) -> float:
+def in_process_step_ms(model_dir: Path, steps: int, batch: int = BATCH) -> float:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -63,7 +63,8 @@ def in_process_step_ms(model_dir: Path, steps: int) -> float:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=32, target_modules=SDK_DEFAULT_TARGETS))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    rows = torch.tensor(token_rows(model.config.vocab_size))
+    some = token_rows(model.config.vocab_size)
+    rows = torch.tensor([some[i % len(some)] for i in range(batch)])
     inputs, labels = rows[:, :-1], rows[:, 1:]
     times = []
     for i in range(steps + 3):
@@ -270,6 +271,13 @@ def multi_tenant_rows(work: Path, threads: str, steps: int, counts: list[int]) -
                         f"p99 {percentile(times, 0.99):6.0f} ms, errors {errors}")
         ratio = results["fused", count][0] / results["serial", count][0]
         print(f"  {count:>2} tenants: " + " | ".join(line) + f" | fused/serial {ratio:.2f}x")
+    # What batching can give on this machine at all: the same step in plain PyTorch, one tenant's batch vs all
+    # tenants' rows in one batch. Where these match, a fused pass has no bigger matmul to win on.
+    ceiling = {rows: rows * SEQ / in_process_step_ms(model_dir, steps, rows) * 1000
+               for rows in (MT_BATCH, MT_BATCH * max(counts))}
+    print("  in-process fb + optim (plain PyTorch, one adapter): " + ", ".join(
+        f"{rows} rows {rate:.0f} tok/s" for rows, rate in ceiling.items())
+        + f" | bigger batch {ceiling[MT_BATCH * max(counts)] / ceiling[MT_BATCH]:.2f}x")
 
 
 def main() -> None:

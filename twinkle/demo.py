@@ -70,7 +70,8 @@ def train(base_url: str, model_dir: Path, steps: int) -> None:
                         loss_fn_inputs={"target_tokens": tokens[1:],
                                         "weights": [1.0] * (len(tokens) - 1)})  # type: ignore[dict-item]
     service = tinker.ServiceClient(base_url=base_url, api_key="tml-demo")
-    training = service.create_lora_training_client(base_model="tiny-qwen", rank=16).result()
+    # a fixed seed: the same LoRA initialisation, so every run shows the same curve
+    training = service.create_lora_training_client(base_model="tiny-qwen", rank=16, seed=0).result()
     print(f"training LoRA adapter {training.model_id} on {len(tokens)} tokens")
     for step in range(1, steps + 1):
         fb = training.forward_backward([datum], "cross_entropy")
