@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.tarpit import Tarpit
 from api.unsupported import describe_missing_route
 from twinkle.checkpoints import storage_failure
 from twinkle.errors import BrokerUnavailable, RateLimited, TwinkleError
@@ -47,8 +48,13 @@ def error_response(request: Request, exc: TwinkleError) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
+    tarpit = Tarpit()
+
     @app.exception_handler(TwinkleError)
     async def _twinkle(request: Request, exc: TwinkleError) -> JSONResponse:
+        tenant = getattr(request.state, "tenant", None)
+        if isinstance(exc, RateLimited) and tenant:
+            exc.details["retry_after"] = await tarpit.refuse(tenant, float(exc.details.get("retry_after", 1)))
         return error_response(request, exc)
 
     @app.exception_handler(redis.exceptions.ConnectionError)

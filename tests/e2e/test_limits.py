@@ -14,6 +14,7 @@ from typing import Any, cast
 import httpx
 import pytest
 
+from api.tarpit import FREE_PER_SECOND
 from tests.e2e.test_foundation import datum, fb_body, new_model, wait
 from tests.harness import LaunchedServer, launch
 
@@ -276,3 +277,33 @@ def test_the_tinker_sdk_retries_saves_refused_by_the_cap_and_every_one_completes
         os.kill(worker, signal.SIGCONT)
     paths = [f.result(timeout=120).path for f in futures]
     assert paths == [f"tinker://{training.model_id}/weights/pipelined-{i}" for i in range(5)]
+
+
+def test_a_key_that_keeps_hammering_after_its_429s_gets_them_slowly_and_others_are_answered_at_once(
+        limited_server: LaunchedServer) -> None:
+    with limited_server.client("tml-hammer") as hammer, limited_server.client("tml-bystander") as bystander:
+        model, other = new_model(hammer), new_model(bystander)
+        stop = time.monotonic() + 3
+        slowest: list[float] = []
+
+        def keep_sending(_: int) -> int:  # ignores every Retry-After
+            sent = 0
+            while time.monotonic() < stop:
+                began = time.monotonic()
+                answer = optim(hammer, model)
+                if answer.status_code == 429:
+                    slowest.append(time.monotonic() - began)
+                sent += 1
+            return sent
+
+        with ThreadPoolExecutor(8) as pool:
+            sending = pool.map(keep_sending, range(8))
+            time.sleep(1.5)
+            began = time.monotonic()
+            assert optim(bystander, other).status_code == 200
+            assert time.monotonic() - began < 0.5  # nobody else waits behind the held answers
+            sent = sum(sending)
+    assert max(slowest) >= 0.9  # held for the penalty (1 s)
+    # 3 s touch at most 4 of the tarpit's seconds: their free refusals, one held answer per sender and penalty,
+    # and what the rate admits; without the tarpit the 8 senders get thousands of answers
+    assert sent <= 4 * FREE_PER_SECOND + 8 * 4 + 4 * RPS, sent
