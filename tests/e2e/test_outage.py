@@ -159,11 +159,14 @@ def test_a_frozen_worker_is_caught_from_outside_its_op_times_out_and_queued_ops_
         model, other = new_model(c), new_model(c)
         steps = [submit(c, "/forward_backward", fb_body(model, SLOW)) for _ in range(30)]  # tens of ms each
         worker = server.worker_pid()
-        queued = submit(c, "/forward", {"model_id": other, "forward_input": {
-            "data": [datum([1, 2, 3])], "loss_fn": "cross_entropy"}})
         running = freeze_mid_op(server, worker, steps)
         began = time.time()
         try:
+            # A consumer frozen inside BRPOP still gets the next message into its socket, where it dies with the
+            # process (kombu's Redis transport; the lost-future check fails it as `request_lost`): the filler,
+            # or a step still queued ahead of it, is that message, never `queued`.
+            forward = {"model_id": other, "forward_input": {"data": [datum([1, 2, 3])], "loss_fn": "cross_entropy"}}
+            filler, queued = submit(c, "/forward", forward), submit(c, "/forward", forward)
             failed = settle(c, running, timeout=60)
         finally:
             with contextlib.suppress(ProcessLookupError):  # the launcher killed it: the expected case
@@ -172,5 +175,6 @@ def test_a_frozen_worker_is_caught_from_outside_its_op_times_out_and_queued_ops_
         # execution_timeout + grace; or, had it frozen before its liveness file named the op, the stall limit
         assert time.time() - began < max(10 + 3, STALL_SECONDS) + 10
         assert "hung (" in server.log()
+        assert settle(c, filler).get("code") in ("adapter_state_lost", "request_lost", None)  # terminal
         assert settle(c, queued).get("code") in ("adapter_state_lost", None)  # it ran on the new worker
         assert "error" not in settle(c, submit(c, "/forward_backward", fb_body(new_model(c), [datum([1, 2, 3])])))
