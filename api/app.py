@@ -11,6 +11,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from api import errors
 from api.access_log import AccessLog
@@ -49,11 +52,23 @@ def api_prefix(config: Any) -> str:
     return (server.route_prefix if server else DEFAULT_PREFIX).rstrip("/") or DEFAULT_PREFIX
 
 
-def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0) -> ApiContext:
-    # A request waits for a free connection (never "too many connections"); parked long-polls hold none.
-    r = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+def redis_client(broker_url: str) -> aioredis.Redis:
+    """The API's pooled Redis client.
+
+    A request waits for a free connection (never "too many connections"); parked long-polls hold none. After a
+    broker restart a pooled connection can look alive until the event loop reads its EOF, so the first command
+    on it fails with "Connection closed by server": each command is retried once, on a fresh connection. A
+    broker that is really down refuses that connect at once, so it still answers 503 without delay. Timeouts
+    are not retried (that would double the wait on a broker that hangs).
+    """
+    return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
         broker_url, max_connections=REDIS_CONNECTIONS, timeout=REDIS_POOL_WAIT_SECONDS, health_check_interval=25,
-        socket_timeout=REDIS_SOCKET_SECONDS, socket_connect_timeout=REDIS_SOCKET_SECONDS))
+        socket_timeout=REDIS_SOCKET_SECONDS, socket_connect_timeout=REDIS_SOCKET_SECONDS,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))))
+
+
+def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0) -> ApiContext:
+    r = redis_client(broker_url)
     keys = Keys(config.persistence.key_prefix)
     server = config.server_app()
     session_ttl = int(server.args.server_config.expiration_timeout) if server else 86400
