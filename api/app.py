@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from api.console import routes as console_routes
 from api.context import ApiContext
 from api.finite_json import FiniteJSONResponse
 from api.hub import FutureHub
+from api.key_share import KeyShare
 from api.openai import routes as openai_routes
 from api.ratelimit import RateLimiter
 from api.routes import downloads, exports, futures, rest, sampling, session, tokenizer, training, twinkle
@@ -93,6 +95,10 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await ctx.store.refresh_broker_identity()
         await ctx.hub.start()
+        # What start-up built lives as long as the process: out of the collector's sight, a full collection
+        # scans only what requests made (tens of ms less per pass under load).
+        gc.collect()
+        gc.freeze()
         if ctx.auth.dev_mode:
             said = os.environ.get(verbosity.DEV_MODE_SAID_ENV) == "1"  # by the launcher, on its terminal
             log.log(logging.INFO if said else logging.WARNING,
@@ -113,5 +119,6 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
     setup_api_telemetry(app, config)
     app.add_middleware(BodyLimit, max_bytes=config.storage.max_request_bytes,
                        max_control_bytes=config.storage.max_control_request_bytes)
+    app.add_middleware(KeyShare)  # inside the access log, so a request's wait for its key's slot is timed
     app.add_middleware(AccessLog)  # added last: outermost, so it times and logs every answer
     return app

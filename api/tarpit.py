@@ -23,8 +23,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 PENALTY_SECONDS = 1.0
-FREE_PER_SECOND = 30.0
-FREE_BURST = 60
+FREE_PER_SECOND = 5.0
+FREE_BURST = 20
 MAX_HELD_PER_KEY = 64
 _PRUNE_AT = 10_000
 

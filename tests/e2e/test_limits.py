@@ -216,10 +216,12 @@ COSTLY: list[tuple[str, Callable[[str, str, str], dict[str, Any]]]] = [
 
 
 def fill_window(c: httpx.Client, model: str) -> None:
-    """Bursts of optim_step until the key's window is full for at least another 150 ms."""
+    """Bursts of optim_step until the key's window is full for at least another 150 ms. A burst is a little over
+    the rate, so that its few refusals stay within the key's free allowance: a held one (api.tarpit) comes back
+    a second later, when the window has moved on."""
     for _ in range(20):
-        with ThreadPoolExecutor(3 * RPS) as pool:
-            answers = list(pool.map(lambda _: optim(c, model), range(3 * RPS)))
+        with ThreadPoolExecutor(RPS + 2) as pool:
+            answers = list(pool.map(lambda _: optim(c, model), range(RPS + 2)))
         waits = [int(a.headers["Retry-After-Ms"]) for a in answers if a.status_code == 429]
         if waits and min(waits) >= 150:
             return
