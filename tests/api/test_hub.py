@@ -8,11 +8,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
-from api.hub import FutureHub
+from api.hub import READ_BATCH, FutureHub
 from tests.harness import REDIS_HOST, REDIS_PORT, require_redis
 from tests.private_redis import PrivateRedis
 from twinkle.keys import Keys
@@ -89,18 +90,26 @@ async def test_two_thousand_parked_waiters_hold_no_redis_connection_and_all_wake
         await hub.close()
 
 
-async def test_the_batched_re_read_wakes_waiters_whose_future_finished_or_vanished_without_a_message(
+async def test_the_batched_re_read_wakes_waiters_whose_future_ended_vanished_or_outlived_its_broker(
         client: aioredis.Redis) -> None:
     keys = test_keys()
     hub = FutureHub(client, keys)  # not started: only the re-read can wake anyone
+    run_id = str((await client.info("server"))["run_id"])
+    records: dict[str, dict[Any, Any]] = {"done": {"status": "completed"}, "failed": {"status": "failed"},
+               "old-broker": {"status": "running", "broker_run_id": "an-earlier-run"},
+               "busy": {"status": "running", "broker_run_id": run_id}}
+    busy_many = [f"busy-{i}" for i in range(2 * READ_BATCH + 7)]  # more than one batch
     try:
-        await client.hset(keys.future("done"), mapping={"status": "completed"})
-        await client.hset(keys.future("busy"), mapping={"status": "running"})
-        done, busy, gone = hub.register("done"), hub.register("busy"), hub.register("gone")
-        assert await hub.recheck() == 2
-        assert done.woken.is_set() and gone.woken.is_set() and not busy.woken.is_set()
+        for request_id, record in records.items():
+            await client.hset(keys.future(request_id), mapping=record)
+        for request_id in busy_many:
+            await client.hset(keys.future(request_id), mapping={"status": "running"})
+        waiters = {request_id: hub.register(request_id) for request_id in [*records, "gone", *busy_many]}
+        assert await hub.recheck() == 4
+        assert {rid for rid, waiter in waiters.items() if waiter.woken.is_set()} == {
+            "done", "failed", "old-broker", "gone"}
     finally:
-        await client.delete(keys.future("done"), keys.future("busy"))
+        await client.delete(*(keys.future(rid) for rid in [*records, *busy_many]))
 
 
 async def test_a_wake_up_lost_while_the_broker_was_down_is_found_after_it_returns(tmp_path: Path) -> None:
