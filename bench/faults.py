@@ -11,9 +11,11 @@ free port; needs `redis-server` on PATH) and prints:
 2. Pending long-polls: `--polls` retrieve_future polls held open at once on one API process while training
    clients step; the clients' step p99 with the polls parked vs without (target <= 2x), the API's added
    memory (target < 100 MB), and how the polls ended once their futures finished (200 / 503 / try_again).
-3. Abusive tenant: bench/load.py's two phases, short (`--skip-load` leaves it out); its p99 ratio.
+   For scale, the memory a bare uvicorn app (no framework, no Redis: it parks every request) adds to hold
+   the same number of requests: the floor under any long-poll served by this HTTP server.
+3. Abusive tenant: bench/load.py's alternating windows, short (`--skip-load` leaves it out); its p99 ratio.
 
-`--quick`: one 3 s outage, 2,000 polls, 8 s phases.
+`--quick`: one 3 s outage, 2,000 polls, 8 s per phase.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import json
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -184,6 +187,53 @@ def hold_polls(port: int, ids: list[str], results: list[str], parked: threading.
     asyncio.run(main())
 
 
+BARE_APP = """
+import asyncio, sys, uvicorn
+from twinkle.fd_limit import raise_open_files_limit
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        await asyncio.Event().wait()
+raise_open_files_limit()
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False, backlog=8192)
+"""
+
+
+def bare_server_floor(n: int) -> float:
+    """MB that a bare uvicorn app adds while `n` requests like the polls are parked in it."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", BARE_APP, str(port)], cwd=Path(__file__).resolve().parents[1])
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        server = psutil.Process(proc.pid)
+        time.sleep(0.5)
+        before = server.memory_info().rss
+        body = json.dumps({"request_id": new_request_id()}).encode()
+        request = (b"POST /api/v1/retrieve_future HTTP/1.1\r\nHost: b\r\nX-API-Key: " + POLL_KEY.encode()
+                   + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                   + b"\r\n\r\n" + body)
+        for i in range(n):
+            sockets.append(socket.create_connection(("127.0.0.1", port)))
+            sockets[-1].sendall(request)
+            if i % 250 == 249:
+                time.sleep(0.05)  # the accept queue is finite
+        deadline = time.monotonic() + 60
+        while established(server, port) < n and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(1)
+        return (server.memory_info().rss - before) / 2**20
+    finally:
+        for sock in sockets:
+            sock.close()
+        proc.kill()
+        proc.wait()
+
+
 def step_latencies(api: str, clients: int, seconds: float) -> list[float]:
     out: list[float] = []
     lock = threading.Lock()
@@ -237,14 +287,16 @@ def bench_polls(server: Server, broker: PrivateRedis, n: int, seconds: float) ->
           f"{l99:7.1f} ms (n={len(loaded)}): {l99 / b99:.2f}x (target <= 2x)")
     print("polls ended: " + ", ".join(f"{k} x{v}" for k, v in sorted(ends.items()))
           + f"; unanswered {n - len(results)}")
+    print(f"for scale: a bare uvicorn app holding {n} such requests adds {bare_server_floor(n):.0f} MB")
 
 
 # -- 3. abusive tenant -----------------------------------------------------------------------------
 
 
 def bench_abuser(seconds: float) -> None:
+    rounds = max(1, min(3, int(2 * seconds // 10)))  # windows of at least 5 s
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("load.py")), "--duration", str(2 * seconds),
-                          "--clients", "10"], capture_output=True, text=True, timeout=600)
+                          "--rounds", str(rounds), "--clients", "10"], capture_output=True, text=True, timeout=600)
     lines = [line for line in out.stdout.splitlines() if re.search(r"p99 with|abusive client|refused", line)]
     for line in lines or [f"bench/load.py failed: {out.stderr[-500:]}"]:
         print(f"abusive tenant (bench/load.py, 10 clients): {line}")
