@@ -51,11 +51,16 @@ class HangWatch:
         return ""
 
     def fail_current(self, beat: Liveness, why: str, queue: str = "") -> int:
-        """Fail the op the hung worker was running, where it is not terminal yet; wakes its long-polls. When
-        the worker froze before it could name the op, the ops of `queue` delivered to it and marked running
-        are the ones. Returns how many it failed."""
-        running = [beat.current] if beat.current else self._running_on(queue)
-        return sum(self._fail(rid, beat.op, why) for rid in running)
+        """Fail the op the hung worker was running, where it is not terminal yet; wakes its long-polls.
+
+        The liveness file can be a moment behind: a worker frozen right after it started an op, before its
+        writer thread ran, still names the op before (finished) or none. So the ops of `queue` delivered to
+        it and marked running fail too (a queue has one consumer: they are this worker's). Left running, one
+        would be delivered again to the new worker and fail there as `adapter_state_lost`. Returns how many
+        it failed."""
+        running = dict.fromkeys([beat.current] if beat.current else [])
+        running.update(dict.fromkeys(self._running_on(queue)))
+        return sum(self._fail(rid, beat.op if rid == beat.current else "", why) for rid in running)
 
     def _running_on(self, queue: str) -> list[str]:
         if not queue:

@@ -88,3 +88,23 @@ def test_a_worker_that_froze_before_naming_its_op_still_gets_its_running_op_fail
     finally:
         r.close()
         broker.kill()
+
+
+def test_a_worker_frozen_before_its_liveness_named_the_new_op_gets_that_op_failed_not_only_the_named_one(
+        tmp_path: Path) -> None:
+    broker = PrivateRedis(tmp_path)
+    broker.start()
+    r = redis.Redis(port=broker.port)
+    try:
+        watch = HangWatch(r, Keys(""))
+        r.hset(watch.keys.future("before"), mapping={"status": "completed"})  # what the stale file names
+        r.hset(watch.keys.future("frozen-in"), mapping={"status": "running"})
+        r.hset(UNACKED, "tag-frozen-in", json.dumps([{"headers": {"id": "frozen-in"}}, "", "model.a.0"]))
+        stale = Liveness(pid=1, t=NOW, current="before", op="forward_backward", started=NOW - 14,
+                         execution_timeout=10)
+        assert watch.fail_current(stale, "forward_backward ran 14 s", "model.a.0") == 1
+        assert r.hget(watch.keys.future("frozen-in"), "code") == b"execution_timeout"
+        assert r.hget(watch.keys.future("before"), "status") == b"completed"  # its outcome stands
+    finally:
+        r.close()
+        broker.kill()
