@@ -16,14 +16,8 @@ counted. Requests without a key are not counted either (they are refused with 40
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 PER_KEY = 8
 KEY_HEADERS = (b"x-api-key", b"authorization")
@@ -43,7 +37,7 @@ def api_key_of(scope: Scope) -> bytes:
 
 
 class KeyShare:
-    def __init__(self, app: App, *, per_key: int = PER_KEY) -> None:
+    def __init__(self, app: ASGIApp, *, per_key: int = PER_KEY) -> None:
         self.app = app
         self.per_key = per_key
         self.in_flight: dict[bytes, asyncio.Semaphore] = {}
@@ -65,4 +59,3 @@ class KeyShare:
             self.users[key] -= 1
             if not self.users[key]:  # nobody holds or waits: forget the key (millions of keys, no growth)
                 del self.users[key], self.in_flight[key]
-

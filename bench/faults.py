@@ -156,13 +156,17 @@ def finish(r: redis.Redis, ids: list[str]) -> None:
     pipe.execute()
 
 
+def poll_request(rid: str) -> bytes:
+    body = json.dumps({"request_id": rid}).encode()
+    return (b"POST /api/v1/retrieve_future HTTP/1.1\r\nHost: b\r\nX-API-Key: " + POLL_KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
 async def poll(port: int, rid: str) -> str:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        body = json.dumps({"request_id": rid}).encode()
-        writer.write(b"POST /api/v1/retrieve_future HTTP/1.1\r\nHost: b\r\nX-API-Key: " + POLL_KEY.encode()
-                     + b"\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        writer.write(poll_request(rid))
         await writer.drain()
         raw = await reader.read()
         writer.close()
@@ -213,10 +217,7 @@ def bare_server_floor(n: int) -> float:
         server = psutil.Process(proc.pid)
         time.sleep(0.5)
         before = server.memory_info().rss
-        body = json.dumps({"request_id": new_request_id()}).encode()
-        request = (b"POST /api/v1/retrieve_future HTTP/1.1\r\nHost: b\r\nX-API-Key: " + POLL_KEY.encode()
-                   + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
-                   + b"\r\n\r\n" + body)
+        request = poll_request(new_request_id())
         for i in range(n):
             sockets.append(socket.create_connection(("127.0.0.1", port)))
             sockets[-1].sendall(request)

@@ -58,8 +58,7 @@ class HangWatch:
         it and marked running fail too (a queue has one consumer: they are this worker's). Left running, one
         would be delivered again to the new worker and fail there as `adapter_state_lost`. Returns how many
         it failed."""
-        running = dict.fromkeys([beat.current] if beat.current else [])
-        running.update(dict.fromkeys(self._running_on(queue)))
+        running = dict.fromkeys(rid for rid in (beat.current, *self._running_on(queue)) if rid)
         return sum(self._fail(rid, beat.op if rid == beat.current else "", why) for rid in running)
 
     def _running_on(self, queue: str) -> list[str]:
