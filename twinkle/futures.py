@@ -82,6 +82,7 @@ class FutureRecord(HashRecord):
     code: str = ""
     broker_run_id: str = ""  # Redis run_id at submit; a different one later means the queue was lost
     trace: str = ""  # W3C traceparent of the submitting request, for joining traces
+    weight: float = 1.0  # the tenant's fair-share weight when it was accepted (its tier or key, twinkle.tenancy)
 
     @property
     def state(self) -> FutureStatus:

@@ -20,6 +20,7 @@ from twinkle.config.models import (
     StorageConfig,
     TelemetryConfig,
 )
+from twinkle.config.tenancy import TenancyConfig, UsageConfig
 from twinkle.errors import UserError
 
 AppT = TypeVar("AppT", bound=Application)
@@ -49,6 +50,10 @@ class ServerConfig(StrictModel):
     """Ray namespace the server's actors live in (`launch --namespace` overrides it)."""
     ray: RayConfig = Field(default_factory=RayConfig)
     """How to reach Ray."""
+    tenancy: TenancyConfig = Field(default_factory=TenancyConfig)
+    """Tiers of API keys: scheduling weights and quotas."""
+    usage: UsageConfig = Field(default_factory=UsageConfig)
+    """Usage metering and prices."""
     applications: list[AnyApplication] = Field(default_factory=list)
     """The components to deploy."""
 
