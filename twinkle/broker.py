@@ -9,8 +9,11 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
+
+from twinkle.futures import request_id_created_at
 
 # kombu's Redis transport keeps delivered-but-unacked messages here (see CELERY_NOTES.md section 2)
 UNACKED = "unacked"
@@ -71,18 +74,23 @@ def restore_unacked(r: redis.Redis, queue: str, *, key_prefix: str = "") -> int:
     supervisor calls this before it starts the replacement.
     """
     unacked, index = key_prefix + UNACKED, key_prefix + UNACKED_INDEX
-    tags: list[bytes] = r.zrange(index, 0, -1)  # type: ignore[assignment]  # oldest delivery first
-    restored = 0
-    for tag in reversed(tags):  # RPUSH newest first, so the oldest ends up at the head
+    held: list[tuple[float, float, Any, bytes]] = []
+    entries: Any = r.zrange(index, 0, -1, withscores=True)
+    for tag, delivered in entries:
         raw = r.hget(unacked, tag)
         if raw is None:
             r.zrem(index, tag)
             continue
         payload, _exchange, routing_key = json.loads(raw)
-        if routing_key != queue:
-            continue
-        pipe = r.pipeline(transaction=True)
-        pipe.rpush(key_prefix + queue, json.dumps(payload))
+        if routing_key == queue:
+            # A pool holding many messages took several within one clock tick: their delivery times tie, and
+            # the request ids' creation times keep them in acceptance order.
+            created = request_id_created_at(str(payload.get("headers", {}).get("id", ""))) or 0.0
+            held.append((float(delivered), created, tag, json.dumps(payload).encode()))
+    restored = 0
+    for _, _, tag, body in sorted(held, key=lambda h: (round(h[0], 2), h[1]), reverse=True):
+        pipe = r.pipeline(transaction=True)  # RPUSH newest first, so the oldest ends up at the head
+        pipe.rpush(key_prefix + queue, body)
         pipe.hdel(unacked, tag)
         pipe.zrem(index, tag)
         pipe.execute()

@@ -32,6 +32,7 @@ from typing import Any
 
 from twinkle.futures import FutureRecord, Op
 from twinkle.types import ForwardBackwardInput, input_length
+from workers.fair_share import FairShare, op_cost
 
 log = logging.getLogger("twinkle.clock")
 
@@ -48,6 +49,7 @@ class Job:
     payload: Any
     prepare: Callable[[], None]  # marks it running and checks its adapter; raises to fail it
     call: Callable[[], Any]  # runs it alone through the pool's handler
+    seconds: float = 0.0  # its share of a fused pass's time, set by the clock (an op run alone times itself)
 
 
 @dataclass
@@ -58,7 +60,13 @@ class _Entry:
     kind: str = ""  # "fused", "optim" or "single" once the job is in
     tokens: int = 0
     taken: bool = False  # in a cycle; its thread has not left yet, so later ops of its model still wait
+    cost: float = 0.0  # its fair-share charge, in tokens
+    arrival: int = 0  # delivery order
     outcome: Future[Any] = field(default_factory=Future)
+
+    @property
+    def tenant(self) -> str:
+        return self.job.rec.owner if self.job else ""
 
     @property
     def key(self) -> str:
@@ -119,13 +127,19 @@ class FusedRunner:
 class Clock:
     def __init__(self, lock: Any, running: Callable[[FutureRecord], contextlib.AbstractContextManager[None]],
                  fuser: FusedRunner | None, *, window_ms: float = 5.0, max_ops: int = 16,
-                 max_tokens: int = 16384) -> None:
+                 max_tokens: int = 16384, gather: bool = True, fair: bool = True, hold: int = 0) -> None:
         self.lock = lock
         self.running = running
         self.fuser = fuser
         self.window = window_ms / 1000
         self.max_ops = max_ops
         self.max_tokens = max_tokens
+        self.gather = gather  # False: every op runs alone (a pool without clock cycles still schedules fairly)
+        self.share = FairShare()
+        self.fair = fair  # False: arrival order (scheduling.policy fifo)
+        # ops the pool holds to choose from (its Celery threads): at least a cycle's worth
+        self.hold = max(hold, max_ops if gather else 1)
+        self._arrivals = 0
         self._order: list[_Entry] = []  # delivery order
         self._by_id: dict[str, _Entry] = {}
         self._cond = threading.Condition()
@@ -149,8 +163,14 @@ class Clock:
         """Run the job at its turn and return its result (or raise its error), from its own thread."""
         with self._cond:
             entry = self._entry(job.rec.request_id)
+            tenant = job.rec.owner
+            waiting = {other.tenant for other in self._order if other.job is not None and not other.taken}
+            if tenant not in waiting:  # it starts waiting: idle time is no credit (fair_share.FairShare.lift)
+                self.share.lift(tenant, waiting)
+                self.share.forget_idle(waiting)
             entry.job = job
             entry.kind, entry.tokens = self._classify(job)
+            entry.cost = op_cost(job.op, job.payload)
             self._cond.notify_all()
         return entry.outcome.result()
 
@@ -165,11 +185,14 @@ class Clock:
     def _entry(self, request_id: str) -> _Entry:
         entry = self._by_id.get(request_id)
         if entry is None:  # a redelivered duplicate or no `arrived` hook (in-process use): order of hand-over
-            entry = self._by_id[request_id] = _Entry(request_id)
+            self._arrivals += 1
+            entry = self._by_id[request_id] = _Entry(request_id, arrival=self._arrivals)
             self._order.append(entry)
         return entry
 
     def _classify(self, job: Job) -> tuple[str, int]:
+        if not self.gather:
+            return "single", 0
         if self.fuser is not None and self.fuser.fusable(job):
             batch = job.payload
             width = max((input_length(datum.model_input) for datum in batch.data), default=0)
@@ -206,33 +229,48 @@ class Clock:
                 self._cond.wait(1.0)  # run() and leave() notify
 
     def _pick(self) -> list[_Entry]:
-        """The next cycle: the oldest runnable job and what may run with it, adapters' orders kept."""
-        blocked: set[str] = set()
+        """The next cycle, chosen by fair share (`workers.fair_share`): the runnable op of the tenant served
+        least so far decides the cycle's kind, and the cycle fills with further runnable ops of that kind, each
+        time the least-served tenant's first; every pick is charged at once. Runnable: the first op of its
+        adapter still waiting, handed over by its thread, with no earlier op of the adapter still running."""
         cycle: list[_Entry] = []
+        in_cycle: set[int] = set()
         kind, tokens = "", 0
+        while len(cycle) < self.max_ops:
+            candidates = [entry for entry in self._heads(in_cycle) if not cycle or (
+                entry.kind == kind and (kind != "fused" or tokens + entry.tokens <= self.max_tokens))]
+            if not candidates:
+                break
+            entry = min(candidates, key=lambda e: self.share.order_key(e.tenant, e.arrival) if self.fair
+                        else (0.0, e.arrival))
+            assert entry.job is not None
+            self.share.charge(entry.tenant, entry.cost, entry.job.rec.weight or 1.0)
+            cycle.append(entry)
+            in_cycle.add(id(entry))
+            if len(cycle) == 1:
+                kind, tokens = entry.kind, 0
+            tokens += entry.tokens
+            if kind == "single":
+                break
+        return cycle
+
+    def _heads(self, in_cycle: set[int]) -> list[_Entry]:
+        """The ops that may run next: per adapter (or per op without one), its first op not yet in a cycle, if
+        its thread handed it over and no earlier op of the adapter still runs. An op that ran no longer holds its
+        adapter back while its thread writes its outcome: otherwise the next pick, made at once, would always pass
+        over a backlogged tenant's adapter and serve tenants in turns instead of by their weights."""
+        seen: set[str] = set()
+        heads: list[_Entry] = []
         for entry in self._order:
-            if entry.taken:
-                blocked.add(entry.key)  # still running in the previous cycle's hand-back
+            if id(entry) in in_cycle or (entry.taken and entry.outcome.done()):
                 continue
             key = entry.key
-            if key in blocked:
+            if key in seen:
                 continue
-            if entry.job is None:
-                blocked.add(key)  # its thread has not handed it over: nothing after it on that model may pass
-                continue
-            if not cycle:
-                cycle.append(entry)
-                kind, tokens = entry.kind, entry.tokens
-                if kind == "single":
-                    break
-                continue
-            fits = len(cycle) < self.max_ops and (kind != "fused" or tokens + entry.tokens <= self.max_tokens)
-            if entry.kind == kind and fits:
-                cycle.append(entry)
-                tokens += entry.tokens
-            else:
-                blocked.add(key)
-        return cycle
+            seen.add(key)
+            if not entry.taken and entry.job is not None:
+                heads.append(entry)
+        return heads
 
     def _drop_stale(self) -> None:
         now = time.monotonic()
@@ -262,6 +300,7 @@ class Clock:
                     # Fusability is a property of the adapter here (dropout, layer kinds), so an adapter's ops
                     # are all fused or all alone, and each keeps its order either way.
                     by_job = {id(entry.job): entry for entry in ready}
+                    began = time.perf_counter()
                     try:
                         outcomes = self.fuser.run(fusable)
                     except Exception:
@@ -271,6 +310,7 @@ class Clock:
                         solo = fusable + solo
                         fusable, outcomes = [], []
                     self.fused_ops += len(fusable)
+                    _share_time(fusable, [by_job[id(job)].tokens for job in fusable], time.perf_counter() - began)
                     for job, outcome in zip(fusable, outcomes, strict=True):
                         entry = by_job[id(job)]
                         if isinstance(outcome, BaseException):
@@ -285,3 +325,10 @@ class Clock:
                 except BaseException as error:  # noqa: BLE001 - its own failure
                     entry.outcome.set_exception(error)
         self.cycles += 1
+
+
+def _share_time(jobs: list[Job], tokens: list[int], seconds: float) -> None:
+    """Each op of a fused pass is charged the pass's time in proportion to its tokens."""
+    total = sum(tokens) or len(jobs)
+    for job, count in zip(jobs, tokens, strict=True):
+        job.seconds = seconds * (count or 1) / total

@@ -215,8 +215,9 @@ class ModelPoolHandlers:
 class SamplerPoolHandlers:
     """A sampler pool serves several sample tasks at once through one batcher."""
 
-    def __init__(self, sampler: SamplerBackend, max_batch: int, r: redis.Redis | None = None) -> None:
-        self.batcher = SampleBatcher(sampler, max_batch)
+    def __init__(self, sampler: SamplerBackend, max_batch: int, r: redis.Redis | None = None, *,
+                 fair: bool = True) -> None:
+        self.batcher = SampleBatcher(sampler, max_batch, fair=fair)
         self.r = r  # publishes the tokens of streamed requests as they are generated
 
     def table(self) -> dict[str, Any]:
@@ -225,7 +226,7 @@ class SamplerPoolHandlers:
     def sample(self, rec: FutureRecord, req: SampleRequest) -> SampleOutput:
         stream = getattr(req, "stream_channel", None)  # payloads queued before the field existed lack it
         progress = token_publisher(self.r, stream) if stream and self.r is not None else None
-        out = self.batcher.sample(req, progress)
+        out = self.batcher.sample(req, progress, tenant=rec.owner, weight=rec.weight)
         out.prompt_length = out.prompt_length or input_length(req.prompt)
         return out
 

@@ -30,6 +30,7 @@ from twinkle.keys import Keys
 from twinkle.pool_exit import PoolExit
 from twinkle.server import startup, verbosity
 from twinkle.telemetry import op_span, setup_worker_telemetry
+from twinkle.usage import UsageLedger
 from workers import processor
 from workers.factory import build_model_pool, build_sampler
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
@@ -73,8 +74,8 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
         model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys, queue)
         runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=ttl,
                               has_adapter=backend.has_adapter, queue_timeout=queue_timeout(args))
-        if args.clock.enabled:
-            runtime.use_clock(backend, args.clock, after_fused=model_handlers.residency.publish)
+        if args.clock.enabled or args.scheduling.policy == "fair":
+            runtime.use_clock(backend, args.clock, args.scheduling, after_fused=model_handlers.residency.publish)
         adapters = args.adapter_config
         reaper = AdapterReaper(r, keys, adapter_ids=model_handlers.adapter_ids, remove=model_handlers.drop_adapter,
                                lock=runtime.lock, adapter_timeout=adapters.adapter_timeout,
@@ -88,7 +89,8 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
     elif app.import_path == "sampler":
         sampler = build_sampler(args.model_id, args.sampler_type, max_loras=args.adapter_config.max_loras,
                                 engine_args=args.engine_args)
-        runtime = PoolRuntime(r, keys, queue, SamplerPoolHandlers(sampler, sampler_slots(args), r).table(),
+        runtime = PoolRuntime(r, keys, queue, SamplerPoolHandlers(
+            sampler, sampler_slots(args), r, fair=args.scheduling.policy == "fair").table(),
                               future_ttl=ttl, serialize=False, queue_timeout=queue_timeout(args))
         info = sampler.info
     elif app.import_path == "processor":
@@ -99,6 +101,9 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
         return runtime
     else:
         raise SystemExit(f"application {app.name!r} ({app.import_path}) has no pool worker")
+    if config.usage.enabled:
+        runtime.ledger = UsageLedger(r, keys)
+        runtime.usage_model = args.served_name
     runtime.announce(keys.pool_info(app.name), json.dumps(asdict(info)))
     log.info("pool %s: ready in %.1f s (%s)", queue, time.perf_counter() - started, info.model_name)
     return runtime
@@ -113,6 +118,11 @@ def sampler_slots(args: Any) -> int:
     """How many sample requests a sampler pool batches together."""
     engine = getattr(args, "engine_args", None) or {}
     return int(engine.get("max_num_seqs") or 16)  # vLLM's name for its batch size
+
+
+def sampler_threads(args: Any) -> int:
+    """Sample requests a sampler pool holds: the batch, and the waiting ones fair share chooses from."""
+    return max(sampler_slots(args), args.scheduling.window)
 
 
 def _held_task_ids(runtime: PoolRuntime) -> set[str]:
@@ -191,7 +201,7 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     if app.import_path == "processor":
         pool = ["-P", "prefork", "-c", str(getattr(app.args, "ncpu_proc_per_node", 1))]
     elif app.import_path == "sampler":
-        pool = ["-P", "threads", "-c", str(sampler_slots(app.args))]  # stateless: batched, may reorder
+        pool = ["-P", "threads", "-c", str(sampler_threads(app.args))]  # stateless: batched, may reorder
     else:
         # One thread runs ops in delivery order; reserving the next message while an op runs saves the fetch
         # after each ack (2.5 ms of a training step). Both stay unacked, so a crash restores them in order.
@@ -199,8 +209,9 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
         if runtime.clock is not None:
             # Clock cycles: one thread per op in hand, each waiting for its turn in a cycle; the consumer
             # reports every message as it arrives, so the clock knows the queue's order before the threads race.
+            # With fair share it holds `scheduling.window` ops to choose from.
             clock = runtime.clock
-            pool = ["-P", "threads", "-c", str(clock.max_ops), "--prefetch-multiplier", "1"]
+            pool = ["-P", "threads", "-c", str(clock.hold), "--prefetch-multiplier", "1"]
             task_received.connect(lambda request, **_: clock.arrived(str(request.kwargs.get("request_id", ""))),
                                   weak=False)
     celery.worker_main([

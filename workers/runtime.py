@@ -7,6 +7,7 @@ which never raises, so every message is acked exactly when its future reached a 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -18,16 +19,19 @@ from typing import Any
 import redis
 
 from twinkle import blobs
-from twinkle.checkpoints import storage_failure
+from twinkle.checkpoints import parse_checkpoint_path, storage_failure
+from twinkle.config.clock import ClockConfig, SchedulingConfig
 from twinkle.errors import AdapterGone, BackendFailure, QueueTimedOut, TwinkleError, lost_state_error
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
 from twinkle.run_metrics import RunMetrics
 from twinkle.telemetry import task_finished, task_started
+from twinkle.usage import SAVE_OPS, UsageLedger, amounts_for
 from workers.clock import Clock, FusedRunner, Job
 
 log = logging.getLogger("twinkle.worker")
+UNFUSED_HANDOVER_MS = 2.0  # without clock cycles: how long a pick waits for ops delivered but not yet read
 
 Handler = Callable[[FutureRecord, Any], Any]
 
@@ -60,6 +64,8 @@ class PoolRuntime:
         self.clock: Clock | None = None  # set by `use_clock`: ops of many adapters run in fused cycles
         self.announcements: dict[str, str] = {}  # keys the heartbeat restores should the broker lose them
         self.metrics = RunMetrics(r, keys)  # per-run step metrics and recent failures, for the console
+        self.ledger: UsageLedger | None = None  # set by the pool when usage metering is on
+        self.usage_model = ""  # the base model's served name, the `model` of its usage records
 
     def execute(self, op: str, request_id: str) -> None:
         try:
@@ -83,15 +89,19 @@ class PoolRuntime:
             self._fail(rec, self._lost(rec.model_id, model))
             return
         started = time.perf_counter()
+        timing = _Timing()
+        args = None
         try:
             self._check_waited(op, rec)
-            result = self._run(op, rec, model, blobs.loads(payload) if payload else None)
+            args = blobs.loads(payload) if payload else None
+            result = self._run(op, rec, model, args, timing)
         except _Vanished:
             log.warning("future %s vanished from the broker (restarted?); %s not run", request_id, op)
             return
         except TwinkleError as exc:
             self._fail(rec, exc)
             self._release_if_never_created(op, rec, model, exc)
+            self._meter_failed(rec, timing)
         except Exception as exc:  # noqa: BLE001 - any backend bug becomes a failed future, never a hang
             log.error("%s %s failed:\n%s", op, request_id, traceback.format_exc())
             failure = storage_failure(exc) or BackendFailure(  # a full or read-only disk says so
@@ -100,25 +110,38 @@ class PoolRuntime:
             )
             self._fail(rec, failure)
             self._release_if_never_created(op, rec, model, failure)
+            self._meter_failed(rec, timing)
         else:
             self._complete(rec, result)
+            self._meter(rec, amounts_for(op, args, result, seconds=timing.seconds,
+                                         checkpoint_bytes=self._checkpoint_bytes(op, result)))
         finally:
             self.ops_done += 1
             log.debug("%s %s took %.1f ms", op, request_id, (time.perf_counter() - started) * 1000)
 
-    def _run(self, op: str, rec: FutureRecord, model: ModelRecord | None, args: Any) -> Any:
+    def _run(self, op: str, rec: FutureRecord, model: ModelRecord | None, args: Any, timing: _Timing) -> Any:
         """Begin, check and run the op: now under the pool's lock, or at its turn in a clock cycle."""
 
         def prepare() -> None:
+            self._check_waited(op, rec)  # again at its turn: a pool holds many ops while it chooses between them
             if not self._begin(rec):
                 raise _Vanished
+            timing.began = True
             self._check_adapter_alive(op, rec, model)
 
         def call() -> Any:
-            return self.handlers[op](rec, args)
+            began = time.perf_counter()
+            try:
+                return self.handlers[op](rec, args)
+            finally:
+                timing.seconds = time.perf_counter() - began
 
         if self.clock is not None:
-            return self.clock.run(Job(op, rec, args, prepare, call))
+            job = Job(op, rec, args, prepare, call)
+            try:
+                return self.clock.run(job)
+            finally:
+                timing.seconds = timing.seconds or job.seconds
         prepare()
         with self.lock, self._running(rec):
             return call()
@@ -136,13 +159,39 @@ class PoolRuntime:
         self._fail(running.rec, exc)
         return running.rec
 
-    def use_clock(self, backend: Any, config: Any, after_fused: Callable[[], None] | None = None) -> Clock:
-        """Run this model pool's ops in clock cycles (`workers.clock`) from now on; `after_fused` runs after
-        each fused pass, as the pool's handlers run their own epilogue after each op."""
-        fuser = FusedRunner(backend, after_fused) if FusedRunner.available(backend) else None
-        self.clock = Clock(self.lock, self._running, fuser, window_ms=config.window_ms, max_ops=config.max_ops,
-                           max_tokens=config.max_tokens).start()
+    def use_clock(self, backend: Any, config: ClockConfig, scheduling: SchedulingConfig,
+                  after_fused: Callable[[], None] | None = None) -> Clock:
+        """Choose this model pool's next op by `scheduling` (`workers.fair_share`) and, with `config.enabled`,
+        run ops in fused clock cycles (`workers.clock`) from now on; `after_fused` runs after each fused pass,
+        as the pool's handlers run their own epilogue after each op."""
+        fuser = FusedRunner(backend, after_fused) if config.enabled and FusedRunner.available(backend) else None
+        self.clock = Clock(self.lock, self._running, fuser, window_ms=config.window_ms if config.enabled
+                           else UNFUSED_HANDOVER_MS, max_ops=config.max_ops, max_tokens=config.max_tokens,
+                           gather=config.enabled, fair=scheduling.policy == "fair", hold=scheduling.window).start()
         return self.clock
+
+    # -- usage ---------------------------------------------------------------------------------
+
+    def _meter(self, rec: FutureRecord, amounts: dict[str, int]) -> None:
+        """Count what the op used (`twinkle.usage`); metering never fails an op that already finished."""
+        if self.ledger is None or not amounts:
+            return
+        try:
+            self.ledger.record(rec, self.usage_model, amounts)
+        except redis.RedisError:
+            log.warning("usage of %s %s not recorded: the broker is unreachable", rec.op, rec.request_id)
+
+    def _meter_failed(self, rec: FutureRecord, timing: _Timing) -> None:
+        """A failed op that ran is charged the pool time it held, nothing else."""
+        if timing.began:
+            self._meter(rec, {"pool_ms": round(timing.seconds * 1000)})
+
+    def _checkpoint_bytes(self, op: str, result: Any) -> int:
+        if op not in SAVE_OPS or not isinstance(result, dict) or not result.get("path"):
+            return 0
+        ref = parse_checkpoint_path(str(result["path"]))
+        entry = self.r.hget(self.keys.checkpoints(ref.run_id), ref.checkpoint_id)
+        return int(json.loads(entry).get("size_bytes") or 0) if entry else 0
 
     @contextlib.contextmanager
     def _running(self, rec: FutureRecord) -> Iterator[None]:
@@ -244,6 +293,14 @@ class PoolRuntime:
         if not int(written):
             log.warning("future %s vanished from the broker (restarted?); its outcome is dropped", rid)
         return bool(int(written))
+
+
+@dataclass
+class _Timing:
+    """How long one op held the pool: began once it was marked running, seconds once its handler returned."""
+
+    began: bool = False
+    seconds: float = 0.0
 
 
 class _Vanished(Exception):  # a signal between two steps of one op, never reported

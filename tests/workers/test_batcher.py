@@ -104,3 +104,34 @@ def test_a_burst_of_requests_starts_one_generation_together_instead_of_one_then_
         t.join()
     assert results == {t: t for t in range(8)}
     assert sampler.takes[0] > 1
+
+
+class OrderRecordingSampler(RecordingSampler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[int] = []
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleOutput]:
+        self.order += [int(req.prompt[0].tokens[0]) for req in requests]  # type: ignore[union-attr]
+        return super().sample(requests)
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_tenants_burst_does_not_keep_another_tenants_request_out_of_the_batches(fair: bool) -> None:
+    sampler = OrderRecordingSampler()
+    batcher = SampleBatcher(sampler, max_batch=2, fair=fair)
+    threads = [threading.Thread(target=batcher.sample, args=(request(100 + i),), kwargs={"tenant": "burst"})
+               for i in range(12)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.002)  # the burst arrives first, in order
+    time.sleep(0.06)
+    light = threading.Thread(target=batcher.sample, args=(request(1),), kwargs={"tenant": "light"})
+    light.start()
+    for thread in [*threads, light]:
+        thread.join(timeout=10)
+    position = sampler.order.index(1)
+    if fair:  # it joins the next batch that has room
+        assert position <= 4
+    else:  # arrival order: behind the whole burst
+        assert position == 12

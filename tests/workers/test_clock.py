@@ -54,10 +54,11 @@ class Harness:
         self.threads: list[threading.Thread] = []
         self.count = 0
 
-    def submit(self, op: str, model_id: str, payload: Any = None, *, fail_prepare: bool = False) -> str:
+    def submit(self, op: str, model_id: str, payload: Any = None, *, fail_prepare: bool = False, owner: str = "o",
+               weight: float = 1.0) -> str:
         self.count += 1
         rid = f"r{self.count}"
-        rec = FutureRecord(request_id=rid, op=op, owner="o", model_id=model_id, queue="q")
+        rec = FutureRecord(request_id=rid, op=op, owner=owner, model_id=model_id, queue="q", weight=weight)
         self.clock.arrived(rid)
 
         def prepare() -> None:

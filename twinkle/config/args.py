@@ -8,7 +8,7 @@ from pydantic import ConfigDict, Field, model_validator, with_config
 from typing_extensions import TypedDict
 
 from twinkle.config.base import StrictModel, config_problem
-from twinkle.config.clock import ClockConfig
+from twinkle.config.clock import ClockConfig, SchedulingConfig
 from twinkle.config.devices import DeviceGroup, DeviceMesh
 from twinkle.config.limits import AdapterConfig, QueueConfig
 from twinkle.config.parallelism import parallelism_problems
@@ -89,6 +89,8 @@ class ModelArgs(StrictModel):
     """LoRA slots and adapter lifetimes."""
     clock: ClockConfig = Field(default_factory=ClockConfig)
     """Fused multi-tenant forward/backward passes ("clock cycles"); off by default."""
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    """Which tenant's op runs next: weighted fair share (default) or arrival order."""
     torch_dtype: TorchDtype = "auto"
     """Dtype of the base weights; `auto` uses the checkpoint's."""
     sampler_type: ModelSamplerType | None = None
@@ -158,6 +160,8 @@ class SamplerArgs(StrictModel):
     """Rate limits and timeouts of the pool's queue."""
     adapter_config: AdapterConfig = Field(default_factory=AdapterConfig)
     """LoRA slots and adapter lifetimes."""
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    """Which tenant's sample request joins the generation next: weighted fair share (default) or arrival order."""
     served_model_name: str | None = Field(default=None, min_length=1)
     """Name clients use for this base model; None uses model_id without its `ms://` or `hf://` scheme."""
 

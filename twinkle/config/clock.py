@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from twinkle.config.base import StrictModel
@@ -24,3 +26,14 @@ class ClockConfig(StrictModel):
     """Ops the pool holds at once (its Celery threads and prefetch), and so the most ops in one cycle."""
     max_tokens: int = Field(default=16384, ge=1)
     """Token budget of one fused pass (each op's rows x its longest row, summed); a larger op still runs, alone."""
+
+
+class SchedulingConfig(StrictModel):
+    """Which waiting op a model or sampler pool serves next (`workers.fair_share`)."""
+
+    policy: Literal["fair", "fifo"] = "fair"
+    """`fair`: weighted fair share between API keys, counted in tokens (a Virtual Token Counter), each adapter's
+    ops still in acceptance order; `fifo`: arrival order, the way a plain queue serves."""
+    window: int = Field(default=64, ge=1, le=512)
+    """Ops the pool holds at once to choose from (its Celery threads and prefetch). The wait bound holds among
+    them: a tenant with more queued than the window leaves the rest queued in the broker, behind it."""
