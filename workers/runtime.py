@@ -26,7 +26,7 @@ from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
 from twinkle.run_metrics import RunMetrics
-from twinkle.telemetry import task_finished, task_started
+from twinkle.telemetry import record_usage, task_finished, task_started
 from twinkle.usage import SAVE_OPS, UsageLedger, amounts_for
 from workers.clock import Clock, FusedRunner, Job
 
@@ -177,7 +177,8 @@ class PoolRuntime:
         if self.ledger is None or not amounts:
             return
         try:
-            self.ledger.record(rec, self.usage_model, amounts)
+            if self.ledger.record(rec, self.usage_model, amounts):
+                record_usage(rec, self.usage_model, amounts)
         except redis.RedisError:
             log.warning("usage of %s %s not recorded: the broker is unreachable", rec.op, rec.request_id)
 
