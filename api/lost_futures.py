@@ -2,12 +2,12 @@
 
 Every future record carries the Redis `run_id` of the broker it was submitted to. A record whose run_id
 differs from the broker's current one survived a broker restart (AOF, RDB, a restored snapshot) but its
-queued message may not have. The message is looked for where it can be: in its pool queue, or delivered
-and unacknowledged (kombu's `unacked` hash); for a running op, also in the pool's heartbeat, which names
-the op its worker is executing. Found: the record adopts the new run_id and is never checked again. Not
-found twice, half a second apart (the gap between a worker's BRPOP and its unacked write): the record is
-failed, once, atomically, so that a waiting long-poll wakes up. A record that vanished with the broker
-is the Store's concern (its id's timestamp predates the broker's start).
+queued message may not have. The message is looked for where it can be: in its pool queue, parked in its
+key's backlog (twinkle.backlog), or delivered and unacknowledged (kombu's `unacked` hash); for a running op,
+also in the pool's heartbeat, which names the op its worker is executing. Found: the record adopts the new
+run_id and is never checked again. Not found twice, half a second apart (the gap between a worker's BRPOP and
+its unacked write): the record is failed, once, atomically, so that a waiting long-poll wakes up. A record
+that vanished with the broker is the Store's concern (its id's timestamp predates the broker's start).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from twinkle.backlog import BacklogKeys
 from twinkle.broker import UNACKED
 from twinkle.futures import FutureRecord, FutureStatus
 from twinkle.keys import Keys
@@ -76,6 +77,11 @@ class LostFutures:
         queued = await self.r.lrange(record.queue, 0, -1) if record.state is FutureStatus.QUEUED else []
         if any(needle in raw for raw in queued):
             return True
+        if record.state is FutureStatus.QUEUED:  # parked in its key's backlog, not yet sent (twinkle.backlog)
+            parked: list[bytes] = await self.r.lrange(  # type: ignore[assignment]
+                BacklogKeys(self.keys).parked(record.queue, record.owner), 0, -1)
+            if any(raw.startswith(needle + b" ") for raw in parked):
+                return True
         if any(needle in raw for raw in await self.r.hvals(UNACKED)):
             return True
         if record.state is FutureStatus.RUNNING:

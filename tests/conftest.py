@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
-from tests.harness import LaunchedServer, launch
+from tests.harness import REDIS_HOST, REDIS_PORT, LaunchedServer, launch, require_redis
+from twinkle.keys import Keys
 from twinkle.tiny_model import ensure_tiny_model
 
 
@@ -46,3 +49,15 @@ def ray_address() -> Iterator[str]:
              namespace="twinkle_cluster")
     yield str(ray.get_runtime_context().gcs_address)
     ray.shutdown()
+
+
+@pytest.fixture
+def redis_keys() -> Iterator[tuple[redis.Redis, Keys]]:
+    """Real Redis (db 1, shared by unit tests) under a key prefix of the test's own, removed afterwards."""
+    require_redis()
+    r = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=1)
+    keys = Keys(f"test-{uuid.uuid4().hex[:8]}:")
+    yield r, keys
+    for key in r.scan_iter(match=keys.root + "*"):
+        r.delete(key)
+    r.close()

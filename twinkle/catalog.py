@@ -66,6 +66,8 @@ class ServedModel:
 class Catalog:
     def __init__(self, config: Any) -> None:
         self.models: dict[str, ServedModel] = {}
+        # pool queue -> the window fair share divides among keys (twinkle.backlog); absent: no backlogs
+        self.backlog_windows: dict[str, int] = {}
         for app in config.model_apps():
             served = self._entry(app.args.model_id, getattr(app.args, "served_model_name", None))
             served.model_app = app.name
@@ -74,10 +76,14 @@ class Catalog:
             served.max_length = app.args.max_length
             served.backend = app.args.backend
             served.max_loras = app.args.adapter_config.max_loras
+            if app.args.scheduling.policy == "fair":
+                self.backlog_windows.update(dict.fromkeys(served.model_queues, app.args.scheduling.window))
         for app in config.sampler_apps():
             served = self._entry(app.args.model_id, getattr(app.args, "served_model_name", None))
             served.sampler_app = app.name
             served.sampler_queue = sampler_queue(app.name)
+            if app.args.scheduling.policy == "fair":
+                self.backlog_windows[served.sampler_queue] = app.args.scheduling.window
 
     def _entry(self, model_id: str, explicit: str | None) -> ServedModel:
         name = served_name(model_id, explicit)

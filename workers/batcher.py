@@ -61,7 +61,7 @@ class SampleBatcher:
         with self._cond:
             waiting = {item.tenant for item in self._pending}
             if tenant not in waiting:
-                self.share.lift(tenant, waiting)
+                self.share.lift(tenant)
                 self.share.forget_idle(waiting)
             self._arrivals += 1
             self._pending.append(_Waiting(request, done, tenant, weight, self._arrivals))

@@ -60,6 +60,7 @@ class _Entry:
     kind: str = ""  # "fused", "optim" or "single" once the job is in
     tokens: int = 0
     taken: bool = False  # in a cycle; its thread has not left yet, so later ops of its model still wait
+    model_id: str = ""  # from the message, before the job is handed over
     cost: float = 0.0  # its fair-share charge, in tokens
     arrival: int = 0  # delivery order
     outcome: Future[Any] = field(default_factory=Future)
@@ -71,7 +72,7 @@ class _Entry:
     @property
     def key(self) -> str:
         """Ops with the same key keep their order: the model, or the op itself when it has none."""
-        return self.job.rec.model_id if self.job and self.job.rec.model_id else self.request_id
+        return self.model_id or (self.job.rec.model_id if self.job and self.job.rec.model_id else self.request_id)
 
 
 class FusedRunner:
@@ -152,12 +153,14 @@ class Clock:
 
     # -- task threads ---------------------------------------------------------------------------
 
-    def arrived(self, request_id: str) -> None:
-        """The consumer received this message (called in queue order, before its thread starts)."""
+    def arrived(self, request_id: str, model_id: str = "") -> None:
+        """The consumer received this message (called in queue order, before its thread starts). Its model, from
+        the message, holds the model's later ops back until this one is handed over: threads hand over in any
+        order."""
         if not request_id:
             return  # not one of ours: nothing will hand it over
         with self._cond:
-            self._entry(request_id)
+            self._entry(request_id).model_id = model_id
 
     def run(self, job: Job) -> Any:
         """Run the job at its turn and return its result (or raise its error), from its own thread."""
@@ -166,7 +169,7 @@ class Clock:
             tenant = job.rec.owner
             waiting = {other.tenant for other in self._order if other.job is not None and not other.taken}
             if tenant not in waiting:  # it starts waiting: idle time is no credit (fair_share.FairShare.lift)
-                self.share.lift(tenant, waiting)
+                self.share.lift(tenant)
                 self.share.forget_idle(waiting)
             entry.job = job
             entry.kind, entry.tokens = self._classify(job)

@@ -14,7 +14,6 @@ when it is picked again (the crashed process's charges died with it), and keeps 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,20 +42,23 @@ class FairShare:
 
     def __init__(self) -> None:
         self.counters: dict[str, float] = {}
+        self.virtual = 0.0  # the start tag of the op picked last: where a newly waiting tenant starts
         self.served: dict[str, float] = {}  # tokens charged per tenant since start (for reports and tests)
 
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
 
-    def lift(self, tenant: str, waiting: Iterable[str]) -> None:
-        """`tenant` starts waiting while `waiting` (other tenants) already wait: bring its counter up to the
-        smallest of theirs, so the time it spent idle is not credit it can spend against them."""
-        floor = min((self.counter(other) for other in waiting if other != tenant), default=-math.inf)
-        if floor > self.counter(tenant):
-            self.counters[tenant] = floor
+    def lift(self, tenant: str) -> None:
+        """`tenant` starts waiting: bring its counter up to the virtual time, so the time it spent idle is not
+        credit it can spend against the tenants that kept waiting."""
+        if self.virtual > self.counter(tenant):
+            self.counters[tenant] = self.virtual
 
     def charge(self, tenant: str, cost: float, weight: float = 1.0) -> None:
-        self.counters[tenant] = self.counter(tenant) + cost / max(weight, 1e-6)
+        """`tenant`'s op of `cost` tokens was picked."""
+        start = self.counter(tenant)
+        self.virtual = max(self.virtual, start)
+        self.counters[tenant] = start + cost / max(weight, 1e-6)
         self.served[tenant] = self.served.get(tenant, 0.0) + cost
 
     def order_key(self, tenant: str, arrival: int) -> tuple[float, int]:
@@ -64,11 +66,10 @@ class FairShare:
         return self.counter(tenant), arrival
 
     def forget_idle(self, waiting: Iterable[str]) -> None:
-        """Drop the counters of tenants with nothing waiting once they are all at or below the waiting ones'
-        floor (lifting would restore them anyway), so a pool that served thousands of tenants keeps few."""
-        waiting_set = set(waiting)
-        if not waiting_set or len(self.counters) < 1024:
+        """Drop the counters of tenants with nothing waiting that are at or below the virtual time (lifting
+        would restore them anyway), so a pool that served thousands of tenants keeps few."""
+        if len(self.counters) < 1024:
             return
-        floor = min(self.counter(tenant) for tenant in waiting_set)
-        for tenant in [t for t, value in self.counters.items() if t not in waiting_set and value <= floor]:
+        waiting_set = set(waiting)
+        for tenant in [t for t, value in self.counters.items() if t not in waiting_set and value <= self.virtual]:
             del self.counters[tenant]

@@ -21,6 +21,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from twinkle import liveness
+from twinkle.backlog import BacklogRelease
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.celery_app import make_celery, task_name
 from twinkle.checkpoints import CheckpointStore
@@ -101,6 +102,8 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
         return runtime
     else:
         raise SystemExit(f"application {app.name!r} ({app.import_path}) has no pool worker")
+    if getattr(args, "scheduling", None) is not None and args.scheduling.policy == "fair":
+        runtime.backlog = BacklogRelease(r, keys, queue, args.scheduling.window, ttl)
     if config.usage.enabled:
         runtime.ledger = UsageLedger(r, keys)
         runtime.usage_model = args.served_name
@@ -149,6 +152,8 @@ def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime) -> 
                 pipe.set(key, value, nx=True)  # a restarted broker lost it
             pipe.execute()
             orphans.sweep()
+            if runtime.backlog is not None:  # what a missed release left parked
+                runtime.backlog.sweep(runtime.send_released)
         except redis.RedisError:
             pass  # the broker is down; Celery reconnects on its own and so do we next round
         except Exception:  # a dead heartbeat thread would make every op of this pool look lost
@@ -189,6 +194,8 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     celery.conf.worker_consumer = "workers.broker_link:QuickReconnectConsumer"
     for op in Op:
         _register(celery, runtime, op)
+    runtime.send = lambda parked: celery.send_task(task_name(parked.op), kwargs={
+        "request_id": parked.request_id, "model_id": parked.model_id}, queue=runtime.queue, task_id=parked.request_id)
     setup_worker_telemetry(config, app_name, celery)
     threading.Thread(target=_heartbeat, args=(r, keys, runtime.queue, runtime), daemon=True).start()
     if os.environ.get(liveness.ENV):
@@ -212,8 +219,8 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
             # With fair share it holds `scheduling.window` ops to choose from.
             clock = runtime.clock
             pool = ["-P", "threads", "-c", str(clock.hold), "--prefetch-multiplier", "1"]
-            task_received.connect(lambda request, **_: clock.arrived(str(request.kwargs.get("request_id", ""))),
-                                  weak=False)
+            task_received.connect(lambda request, **_: clock.arrived(
+                str(request.kwargs.get("request_id", "")), str(request.kwargs.get("model_id", ""))), weak=False)
     celery.worker_main([
         *([] if verbosity.verbose() else ["--quiet"]),  # the banner, unless `launch -v`
         "worker", *pool, "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",

@@ -19,6 +19,7 @@ from typing import Any
 import redis
 
 from twinkle import blobs
+from twinkle.backlog import BacklogRelease, Parked
 from twinkle.checkpoints import parse_checkpoint_path, storage_failure
 from twinkle.config.clock import ClockConfig, SchedulingConfig
 from twinkle.errors import AdapterGone, BackendFailure, QueueTimedOut, TwinkleError, lost_state_error
@@ -66,6 +67,8 @@ class PoolRuntime:
         self.metrics = RunMetrics(r, keys)  # per-run step metrics and recent failures, for the console
         self.ledger: UsageLedger | None = None  # set by the pool when usage metering is on
         self.usage_model = ""  # the base model's served name, the `model` of its usage records
+        self.backlog: BacklogRelease | None = None  # set by the pool when keys' ops wait in backlogs (fair share)
+        self.send: Callable[[Parked], None] | None = None  # sends a released op's message to this pool's queue
 
     def execute(self, op: str, request_id: str) -> None:
         try:
@@ -293,7 +296,24 @@ class PoolRuntime:
             args=[self.future_ttl, result, self.keys.done_channel(rid), status.value, *fields])
         if not int(written):
             log.warning("future %s vanished from the broker (restarted?); its outcome is dropped", rid)
+        self._release_backlog(rec)
         return bool(int(written))
+
+    # -- the keys' backlogs (twinkle.backlog) ----------------------------------------------------
+
+    def _release_backlog(self, rec: FutureRecord) -> None:
+        """The op's key has one op fewer in the queue: send its next parked ones."""
+        if self.backlog is None:
+            return
+        try:
+            self.backlog.finished(rec.owner, rec.request_id, self.send_released)
+        except Exception:  # the broker is away; the heartbeat's sweep sends them once it is back
+            log.warning("backlog of %s not released (the heartbeat retries)", rec.owner, exc_info=True)
+
+    def send_released(self, parked: Parked) -> None:
+        """Send a released op's message to this pool's queue."""
+        assert self.send is not None, "a pool with a backlog sends its released ops"
+        self.send(parked)
 
 
 @dataclass

@@ -20,14 +20,14 @@ def test_an_ops_cost_is_its_input_tokens_or_a_samples_prompt_and_budget() -> Non
     assert op_cost(Op.OPTIM_STEP, None) == MIN_OP_COST
 
 
-def test_a_tenant_that_starts_waiting_is_lifted_to_the_waiting_tenants_floor_and_never_lowered() -> None:
+def test_a_tenant_that_starts_waiting_is_lifted_to_the_start_of_the_op_in_service_and_never_lowered() -> None:
     share = FairShare()
-    share.charge("busy", 1000)
-    share.charge("other", 400)
-    share.lift("idle", ["busy", "other"])
-    assert share.counter("idle") == 400
-    share.charge("rich", 5000)
-    share.lift("rich", ["busy", "other"])
+    for _ in range(3):
+        share.charge("busy", 1000)  # its third op started at 2000 and is in service
+    share.lift("idle")
+    assert share.counter("idle") == 2000 and share.counter("busy") == 3000  # the newcomer goes next
+    share.counters["rich"] = 5000.0
+    share.lift("rich")
     assert share.counter("rich") == 5000
 
 
@@ -56,8 +56,18 @@ def test_a_light_tenant_waits_for_at_most_one_op_of_a_heavy_tenants_backlog(gath
                      and entry[0] in ("forward_backward", "fused")]
     # every light op ran before the heavy tenant's second forward_backward: it waited for one heavy op at most
     assert max(light_positions(h.backend.log)) < heavy_compute[1]
-    assert len(h.backend.log) == (20 if not gather else len(h.backend.log))
     assert all(not isinstance(result, Exception) for result in h.results.values())
+
+
+def test_a_light_tenants_whole_step_runs_before_a_heavy_tenants_next_op() -> None:
+    h = Harness(gather=False)
+    h.clock.share.charge("heavy", 4000)  # a heavy op is in service as the light step arrives
+    with h.running():
+        for _ in range(4):
+            h.submit(Op.FORWARD_BACKWARD, "heavy", batch(4000), owner="heavy")
+        h.submit(Op.FORWARD_BACKWARD, "light", batch(64), owner="light")
+        h.submit(Op.OPTIM_STEP, "light", owner="light")
+    assert [entry[1] for entry in h.backend.log[:2]] == ["light", "light"]
 
 
 def test_an_adapters_ops_keep_their_order_under_fair_share() -> None:
@@ -81,13 +91,13 @@ def test_backlogged_tenants_get_tokens_in_the_ratio_of_their_weights() -> None:
             h.submit(Op.FORWARD, "two", batch(100), owner="two", weight=2)
     first = h.backend.log[:30]  # while both are backlogged
     served = {name: sum(1 for entry in first if entry[1] == name) for name in ("one", "two")}
-    assert served == {"one": 10, "two": 20}
+    assert abs(served["two"] - 2 * served["one"]) <= 1, served
 
 
 def test_a_tenant_back_from_idle_shares_instead_of_spending_banked_credit() -> None:
     h = Harness(gather=False)
-    # "early" has already been served a lot while "late" was idle
-    h.clock.share.charge("early", 100_000)
+    for _ in range(1000):  # "early" has been served alone for a while; "late" was idle
+        h.clock.share.charge("early", 100)
     with h.running():
         for _ in range(10):
             h.submit(Op.FORWARD, "early", batch(100), owner="early")
