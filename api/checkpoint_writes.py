@@ -23,6 +23,7 @@ from twinkle.futures import new_request_id
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
 from twinkle.telemetry import record_rate_limit_rejection
+from twinkle.tenancy import TenantPolicy
 
 if TYPE_CHECKING:
     from api.context import ApiContext
@@ -80,17 +81,19 @@ return -1
 """
 
 
-async def submit_save(ctx: ApiContext, tenant: str, record: ModelRecord, op: str, payload: Any,
-                      seq_id: int | None = None) -> str:
-    """Submit a checkpoint save of `record`: counted against the key's rate limits on its pool and
-    against the key's outstanding saves."""
+async def submit_save(ctx: ApiContext, tenant: str, policy: TenantPolicy, record: ModelRecord, op: str,
+                      payload: Any, seq_id: int | None = None) -> str:
+    """Submit a checkpoint save of `record`: checked against the key's quotas, counted against its rate limits
+    on its pool and against its outstanding saves."""
+    await ctx.quotas.check(tenant, policy, op)
     request_id = new_request_id()
     if ctx.writes is not None:
         await ctx.writes.reserve(tenant, request_id)
     try:
         await ctx.limiter.admit(tenant, record.queue)
         winner = await ctx.store.submit(op=op, owner=tenant, model_id=record.model_id, queue=record.queue,
-                                        payload=payload, seq_id=seq_id, request_id=request_id)
+                                        payload=payload, seq_id=seq_id, request_id=request_id,
+                                        weight=policy.weight)
     except BaseException:
         if ctx.writes is not None:
             await ctx.writes.release(tenant, request_id)

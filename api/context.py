@@ -8,6 +8,7 @@ from typing import Any
 
 from api.checkpoint_writes import CheckpointWrites
 from api.hub import FutureHub
+from api.quotas import QuotaGate
 from api.ratelimit import RateLimiter
 from api.store import Store
 from twinkle.auth import KeyChecker
@@ -28,6 +29,7 @@ class ApiContext:
     auth: KeyChecker
     checkpoints: CheckpointStore
     limiter: RateLimiter
+    quotas: QuotaGate
     long_poll_seconds: float = 30.0
     max_request_bytes: int = 64 << 20
     tinker_client_config: dict[str, Any] = field(default_factory=dict)

@@ -3,6 +3,7 @@
 Only SHA-256 hashes of keys are configured or stored. The tenant id derived from a key is a short,
 one-way hash, so it can appear in state, logs and checkpoint paths without revealing the key.
 With no keys configured (development), every distinct key is accepted as its own tenant.
+Each accepted key also has a policy (twinkle.tenancy): its tier's weight, quotas and training-run cap.
 """
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from twinkle.errors import Unauthenticated
+from twinkle.tenancy import Policies, TenantPolicy
+
+if TYPE_CHECKING:
+    from twinkle.config.tenancy import TenancyConfig
 
 log = logging.getLogger("twinkle.auth")
 
@@ -43,14 +49,16 @@ def read_keys_file(path: str | Path) -> set[str]:
 
 
 class KeyChecker:
-    """Accepts the configured hashes and those in the keys file, which is re-read when it changes.
+    """Accepts the configured hashes and those in the keys file, which is re-read when it changes, and
+    resolves each key's policy (tier, weight, quotas) from the same file and `tenancy`.
 
-    The file is stat'ed at most once per `recheck_seconds`, so `twinkle-server keys revoke` takes effect
-    within about a second, without a restart and without a syscall per request.
+    The file is stat'ed at most once per `recheck_seconds`, so `twinkle-server keys revoke` and `keys set`
+    take effect within about a second, without a restart and without a syscall per request.
     """
 
     def __init__(self, key_hashes: set[str], keys_file: str | None = None, *, recheck_seconds: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, admin_hashes: set[str] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, admin_hashes: set[str] | None = None,
+                 tenancy: TenancyConfig | None = None) -> None:
         self._admins = frozenset(h.lower() for h in admin_hashes or ())
         self._static = {h.lower() for h in key_hashes} | self._admins
         self._keys_file = keys_file
@@ -59,6 +67,8 @@ class KeyChecker:
         self._checked_at = -math.inf
         self._file_signature: tuple[int, int, int] | None = None
         self._accepted = frozenset(self._static)
+        self.policies = Policies(tenancy)
+        self._key_policies: dict[str, TenantPolicy] = {}  # keys of the file with a tier or weight of their own
 
     @property
     def dev_mode(self) -> bool:
@@ -81,24 +91,39 @@ class KeyChecker:
             signature = (st.st_mtime_ns, st.st_size, st.st_ino)
         if signature == self._file_signature:
             return
+        from twinkle.keys_file import read_entries  # deferred: twinkle.keys_file imports this module
+
         try:
-            hashes = read_keys_file(path) if signature else set()
+            entries = read_entries(path) if signature else []
         except OSError as exc:  # unreadable for a moment: keep the keys we had rather than lock everyone out
             log.warning("keys file %s unreadable (%s); keeping the previous keys", path, exc)
             return
+        unknown = self.policies.unknown(e.tier for e in entries)
+        if unknown:
+            log.warning("keys file %s names tiers the config's tenancy.tiers lacks (%s); those keys get the "
+                        "default tier %r", path, ", ".join(unknown), self.policies.default_tier)
         self._file_signature = signature
-        self._accepted = frozenset(self._static | hashes)
+        self._key_policies = {e.key_hash: self.policies.for_key(e.tier, e.weight) for e in entries
+                              if e.tier or e.weight is not None}
+        self._accepted = frozenset(self._static | {e.key_hash for e in entries})
         log.info("keys file %s loaded: %d keys accepted", path, len(self._accepted))
 
     def tenant_for(self, raw_key: str | None) -> str:
+        return self.identify(raw_key)[0]
+
+    def identify(self, raw_key: str | None) -> tuple[str, TenantPolicy]:
+        """The tenant id of the key and its policy; Unauthenticated for a missing or unknown key."""
         if not raw_key:
             raise Unauthenticated(
                 "This request has no API key.",
                 hint="Send it as 'X-API-Key: <key>' or 'Authorization: Bearer <key>'.",
             )
-        if not self.dev_mode and hash_key(raw_key) not in self._allowed():
+        if self.dev_mode:
+            return tenant_id(raw_key), self.policies.default
+        key_hash = hash_key(raw_key)
+        if key_hash not in self._allowed():
             raise Unauthenticated("The API key is not valid.", hint="Ask the server operator for a key.")
-        return tenant_id(raw_key)
+        return tenant_id(raw_key), self._key_policies.get(key_hash, self.policies.default)
 
     def is_admin(self, raw_key: str | None) -> bool:
         """Whether the key is an operator's (`auth.admin_keys`); never true in development mode."""

@@ -9,6 +9,7 @@
     │   ├── PayloadTooLarge           request body over the configured limit (413)
     │   ├── RateLimited               over a rate or token limit; retry later (429)
     │   ├── LimitExceeded             a hard quota (models per key, LoRA slots) (429)
+    │   ├── QuotaExceeded             a tier's quota (tokens, pool time, training runs); not retried (403)
     │   └── AdapterGone               the adapter was unloaded (idle, lifetime, explicit) (404)
     └── ServerError                   Twinkle or its infrastructure failed (HTTP 5xx, category "server")
         ├── AdapterStateLost          a worker crashed and the adapter's in-memory state is gone
@@ -117,6 +118,15 @@ class LimitExceeded(UserError):
 
     status_code = 429
     code = "limit_exceeded"
+
+
+class QuotaExceeded(UserError):
+    """Raised when an API key has used up a quota of its tier (`tenancy.tiers`): a metered quantity per day,
+    month or ever, or its active training runs. 403, not 429 or 402, so the Tinker SDK raises at once instead
+    of retrying for minutes; the message names the quantity, what was used, the limit and when it resets."""
+
+    status_code = 403
+    code = "quota_exceeded"
 
 
 class AdapterGone(UserError):

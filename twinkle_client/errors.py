@@ -8,6 +8,7 @@
     └── APIError                      the server answered with an HTTP error status
         ├── BadRequestError           400, 422
         ├── AuthenticationError       401, 403
+        ├── QuotaExceededError        403 with code quota_exceeded: a quota of the key's tier is used up
         ├── NotFoundError             404
         ├── ConflictError             409
         ├── GoneError                 410: expired futures and resources
@@ -106,6 +107,12 @@ class AuthenticationError(APIError):
     """Raised for 401 and 403: the API key is missing or not accepted."""
 
 
+class QuotaExceededError(APIError):
+    """Raised when a quota of the API key's tier is used up (tokens, pool time, checkpoint bytes per day,
+    month or ever, or active training runs). Never retried: the message names the quantity, what was used,
+    the limit and when it resets; wait until then or ask the server operator for a higher quota."""
+
+
 class NotFoundError(APIError):
     """Raised for 404: an unknown id, or one that belongs to another API key."""
 
@@ -142,6 +149,8 @@ _BY_STATUS: dict[int, type[APIError]] = {
     429: RateLimitError,
 }
 
+_BY_CODE: dict[str, type[APIError]] = {"quota_exceeded": QuotaExceededError}
+
 
 def api_error(
     status: int,
@@ -150,6 +159,6 @@ def api_error(
     code: str | None = None,
     category: str | None = None,
 ) -> APIError:
-    """The APIError subclass that matches `status`."""
-    cls = _BY_STATUS.get(status) or (InternalServerError if status >= 500 else APIError)
+    """The APIError subclass that matches `code`, else `status`."""
+    cls = _BY_CODE.get(code or "") or _BY_STATUS.get(status) or (InternalServerError if status >= 500 else APIError)
     return cls(status, message, request_id, code, category)

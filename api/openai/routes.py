@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
 from api.context import ApiContext
-from api.deps import Ctx, Tenant
+from api.deps import Ctx, Policy, Tenant
 from api.errors import request_id_of
 from api.openai import wire
 from api.openai.token_feed import Check, TokenFeed, follow_without_feed
@@ -34,6 +34,7 @@ from twinkle.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
 from twinkle.checkpoints import SCHEMES
 from twinkle.errors import BackendFailure, InvalidRequest, NotFound, RateLimited, TwinkleError
 from twinkle.futures import FutureStatus, Op
+from twinkle.tenancy import TenantPolicy
 from twinkle.types import SampleOutput, SampleRequest, SamplingParams, chunks_from_tokens
 
 DEFAULT_CHAT_MAX_TOKENS = 512  # OpenAI's "up to the context" would make a CPU model talk for minutes
@@ -63,8 +64,10 @@ class OpenAIRoute(APIRoute):
 
 
 def _error(request: Request, status: int, message: str, code: str, exc: TwinkleError | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
+    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            429: "rate_limit_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    if code == "quota_exceeded":
+        kind = "insufficient_quota"  # OpenAI's own type for a used-up quota
     headers = {"x-request-id": request_id_of(request)}
     if isinstance(exc, RateLimited):
         headers["Retry-After"] = str(max(1, round(float(exc.details.get("retry_after", 1)))))
@@ -113,8 +116,9 @@ def _params(body: wire.SamplingFields, max_tokens: int, tokenizer: ChatTokenizer
                           stop_token_ids=stop_ids, stop_strings=body.stop_strings())
 
 
-async def submit(ctx: ApiContext, tenant: str, target: Target, prompt: list[int], params: SamplingParams, n: int,
-                 *, prompt_logprobs: int = 0, feed: TokenFeed | None = None) -> str:
+async def submit(ctx: ApiContext, tenant: str, policy: TenantPolicy, target: Target, prompt: list[int],
+                 params: SamplingParams, n: int, *, prompt_logprobs: int = 0, feed: TokenFeed | None = None) -> str:
+    """One sample op, like `/asample`'s; the caller checked the key's quotas once for all its prompts."""
     if target.context and len(prompt) + params.max_tokens > target.context:
         raise InvalidRequest(f"The prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context of {target.context} tokens.",
@@ -123,7 +127,8 @@ async def submit(ctx: ApiContext, tenant: str, target: Target, prompt: list[int]
                         prompt_logprobs=prompt_logprobs > 0, topk_prompt_logprobs=prompt_logprobs,
                         adapter_path=target.adapter_dir, stream_channel=feed.channel if feed else None)
     await ctx.limiter.admit(tenant, target.queue, input_tokens=len(prompt))
-    return await ctx.store.submit(op=Op.SAMPLE, owner=tenant, model_id="", queue=target.queue, payload=req)
+    return await ctx.store.submit(op=Op.SAMPLE, owner=tenant, model_id="", queue=target.queue, payload=req,
+                                  weight=policy.weight)
 
 
 async def outcome(ctx: ApiContext, tenant: str, request_id: str, *,
@@ -169,8 +174,10 @@ def choices_of(out: SampleOutput, tokenizer: ChatTokenizer, stops: Sequence[str]
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(body: wire.ChatCompletionBody, ctx: Ctx, tenant: Tenant) -> Response | dict[str, Any]:
+async def chat_completions(body: wire.ChatCompletionBody, ctx: Ctx, tenant: Tenant,
+                           policy: Policy) -> Response | dict[str, Any]:
     target = await resolve(ctx, tenant, body.model)
+    await ctx.quotas.check(tenant, policy, Op.SAMPLE)
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
     prompt_text = target.tokenizer.render(messages, add_generation_prompt=True)
     prompt = target.tokenizer.encode(prompt_text, add_special_tokens=False)
@@ -179,13 +186,13 @@ async def chat_completions(body: wire.ChatCompletionBody, ctx: Ctx, tenant: Tena
     if body.stream:
         feed = await TokenFeed.open(ctx)
         try:
-            request_id = await submit(ctx, tenant, target, prompt, params, body.n, feed=feed)
+            request_id = await submit(ctx, tenant, policy, target, prompt, params, body.n, feed=feed)
         except BaseException:
             await feed.close()
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _sse(_chat_stream(ctx, tenant, request_id, feed, target, body, len(prompt), include_usage))
-    request_id = await submit(ctx, tenant, target, prompt, params, body.n)
+    request_id = await submit(ctx, tenant, policy, target, prompt, params, body.n)
     ident = f"chatcmpl-{request_id}"
     out = await outcome(ctx, tenant, request_id)
     assert out is not None
@@ -261,8 +268,10 @@ def _prompts(body: wire.CompletionBody, tokenizer: ChatTokenizer) -> list[list[i
 
 
 @router.post("/completions", response_model=None)
-async def completions(body: wire.CompletionBody, ctx: Ctx, tenant: Tenant) -> Response | dict[str, Any]:
+async def completions(body: wire.CompletionBody, ctx: Ctx, tenant: Tenant,
+                      policy: Policy) -> Response | dict[str, Any]:
     target = await resolve(ctx, tenant, body.model)
+    await ctx.quotas.check(tenant, policy, Op.SAMPLE)
     prompts = _prompts(body, target.tokenizer)
     requested = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = _params(body, requested, target.tokenizer)
@@ -271,7 +280,7 @@ async def completions(body: wire.CompletionBody, ctx: Ctx, tenant: Tenant) -> Re
     # one prompt streams its tokens as they come; several arrive each whole (one subscription per answer)
     feed = await TokenFeed.open(ctx) if body.stream and len(prompts) == 1 else None
     try:
-        ids = [await submit(ctx, tenant, target, p, params, body.n, prompt_logprobs=prompt_k, feed=feed)
+        ids = [await submit(ctx, tenant, policy, target, p, params, body.n, prompt_logprobs=prompt_k, feed=feed)
                for p in prompts]
     except BaseException:
         if feed is not None:

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Header
 
 from api.checkpoint_writes import submit_save
 from api.context import ApiContext
-from api.deps import Ctx, Tenant
+from api.deps import Ctx, Policy, Tenant
 from api.schemas import CopyWeightsBody, SaveWeightsExternalBody
 from twinkle.checkpoints import METADATA_FILE, CheckpointRef, index_entry, parse_checkpoint_path, validate_name
 from twinkle.encryption import parse_recipients
@@ -29,13 +29,14 @@ IDEMPOTENCY_TTL_SECONDS = 86400
 
 
 @router.post("/save_weights_external")
-async def save_weights_external(body: SaveWeightsExternalBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def save_weights_external(body: SaveWeightsExternalBody, ctx: Ctx, tenant: Tenant,
+                                policy: Policy) -> dict[str, Any]:
     record = await ctx.store.model(body.model_id, tenant)
     recipients = tuple(body.age_encryption_recipients or ())
     parse_recipients(recipients)  # a bad key is a 400 now, not a failed future later
     req = SaveRequest(name=validate_name(body.path), kind="external_weights", include_optimizer=False,
                       ttl_seconds=body.ttl_seconds, age_recipients=recipients)
-    rid = await submit_save(ctx, tenant, record, Op.SAVE_WEIGHTS_EXTERNAL, req, seq_id=body.seq_id)  # capped, limited
+    rid = await submit_save(ctx, tenant, policy, record, Op.SAVE_WEIGHTS_EXTERNAL, req, seq_id=body.seq_id)
     return {"request_id": rid, "model_id": record.model_id}
 
 

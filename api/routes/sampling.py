@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from api.context import ApiContext
-from api.deps import Ctx, Tenant
+from api.deps import Ctx, Policy, Tenant
 from api.provenance import record_sample
 from api.schemas import CreateSamplingSessionBody, SampleBody, checked_new_id
 from api.tinker_codec import decode_model_input, sampling_params_from_json
@@ -60,7 +60,7 @@ async def get_sampler(sampler_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, An
 
 
 @router.post("/asample")
-async def asample(body: SampleBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def asample(body: SampleBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     dedupe_scope = ""
     if body.sampling_session_id:
         session = await ctx.store.sampling_session(body.sampling_session_id, tenant)
@@ -81,9 +81,11 @@ async def asample(body: SampleBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     req = SampleRequest(prompt=prompt, params=params, num_samples=body.num_samples,
                         prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,
                         topk_prompt_logprobs=body.topk_prompt_logprobs, adapter_path=adapter_dir)
+    await ctx.quotas.check(tenant, policy, Op.SAMPLE)
     await ctx.limiter.admit(tenant, queue, input_tokens=input_length(prompt))
     rid = await ctx.store.submit(op=Op.SAMPLE, owner=tenant, model_id="", queue=queue, payload=req,
-                                 seq_id=body.seq_id if dedupe_scope else None, dedupe_scope=dedupe_scope)
+                                 seq_id=body.seq_id if dedupe_scope else None, dedupe_scope=dedupe_scope,
+                                 weight=policy.weight)
     if body.record_stability_info:
         await record_sample(ctx.store.r, ctx.keys, rid, tenant, input_length(prompt), body.num_samples)
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from api.deps import Ctx, Tenant, get_tenant
+from api.deps import Ctx, Policy, Tenant, get_tenant
 from api.schemas import CreateSessionBody, FinishBody, SessionRef
 from twinkle.futures import Op
 from twinkle.server.readiness import INSTANCE_ENV
@@ -63,13 +63,14 @@ async def session_heartbeat(body: SessionRef, ctx: Ctx, tenant: Tenant) -> dict[
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str, body: FinishBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def finish_session(session_id: str, body: FinishBody, ctx: Ctx, tenant: Tenant,
+                         policy: Policy) -> dict[str, Any]:
     """End the session (ServiceClient.close): its models are unloaded at once, so their LoRA slots and the
     key's model count are free for the next run instead of waiting out adapter_timeout."""
     await ctx.store.finish_session(session_id, tenant, body.reason.type)
     for record in await ctx.store.session_models(session_id, tenant):
         await ctx.store.submit(op=Op.UNLOAD_MODEL, owner=tenant, model_id=record.model_id, queue=record.queue,
-                               payload=None)
+                               payload=None, weight=policy.weight)
         await ctx.store.release_model(record, reason=f"its session finished ({body.reason.type})")
     return {}
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from api.checkpoint_writes import submit_save
 from api.context import ApiContext
-from api.deps import Ctx, Tenant
+from api.deps import Ctx, Policy, Tenant
 from api.provenance import check_provenance
 from api.schemas import (
     CreateModelBody,
@@ -26,6 +26,7 @@ from twinkle.errors import InvalidRequest, PayloadTooLarge
 from twinkle.futures import Op
 from twinkle.losses import validate_loss
 from twinkle.records import ModelRecord
+from twinkle.tenancy import TenantPolicy
 from twinkle.tokenizer_files import is_hub_style_name
 from twinkle.types import LoadRequest, LoraSpec, SaveRequest, input_length, lora_spec_from_dict
 
@@ -75,8 +76,9 @@ def lora_spec(body_lora: Any, served_model: str) -> LoraSpec:
                     target_modules=tuple(target) if isinstance(target, list) else target)
 
 
-async def _register_model(ctx: ApiContext, tenant: str, session_id: str, model_seq_id: int | None,
-                          base_model: str, spec: LoraSpec, user_metadata: dict[str, Any] | None) -> ModelRecord:
+async def _register_model(ctx: ApiContext, tenant: str, policy: TenantPolicy, op: Op, session_id: str,
+                          model_seq_id: int | None, base_model: str, spec: LoraSpec,
+                          user_metadata: dict[str, Any] | None) -> ModelRecord:
     await ctx.store.session(session_id, tenant)
     served = ctx.catalog.find(base_model)
     if not served.trainable:
@@ -88,13 +90,14 @@ async def _register_model(ctx: ApiContext, tenant: str, session_id: str, model_s
     if raw:  # a retried create: same id, same future (deduped on seq 0)
         return ModelRecord.from_hash(raw)
     queue = await _least_loaded(ctx, served.model_queues)
+    await ctx.quotas.check(tenant, policy, op)
     await ctx.limiter.admit(tenant, queue)  # before the model counts against the key's model limit
     now = time.time()
     record = ModelRecord(model_id=model_id, owner=tenant, session_id=session_id, base_model=served.name,
                          app=served.model_app or "", queue=queue,
                          lora={k: v for k, v in spec.__dict__.items()}, created_at=now, last_request_at=now,
                          user_metadata=user_metadata or {})
-    await ctx.store.add_model(record, limit=ctx.per_key_model_limit())
+    await ctx.store.add_model(record, limit=ctx.per_key_model_limit(), policy=policy)
     return record
 
 
@@ -110,15 +113,15 @@ async def _least_loaded(ctx: ApiContext, queues: list[str]) -> str:
 
 
 @router.post("/create_model")
-async def create_model(body: CreateModelBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def create_model(body: CreateModelBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     if body.optimizer_config and body.optimizer_config.type != "adamw":
         raise InvalidRequest(f"Optimizer {body.optimizer_config.type!r} is not supported.",
                              hint="Use the default AdamW optimizer (optimizer_config type 'adamw').")
     spec = lora_spec(body.lora_config, body.base_model)
-    record = await _register_model(ctx, tenant, body.session_id, body.model_seq_id, body.base_model, spec,
-                                   body.user_metadata)
+    record = await _register_model(ctx, tenant, policy, Op.CREATE_MODEL, body.session_id, body.model_seq_id,
+                                   body.base_model, spec, body.user_metadata)
     rid = await ctx.store.submit(op=Op.CREATE_MODEL, owner=tenant, model_id=record.model_id,
-                                 queue=record.queue, payload=spec, seq_id=0)
+                                 queue=record.queue, payload=spec, seq_id=0, weight=policy.weight)
     return _future(rid, record.model_id)
 
 
@@ -145,7 +148,8 @@ def _tokenizer_id(served_name: str, loaded_from: str | None) -> str | None:
     return served_name if is_hub_style_name(served_name) else loaded_from
 
 
-async def _forward(request: Request, ctx: ApiContext, tenant: str, *, forward_only: bool) -> dict[str, Any]:
+async def _forward(request: Request, ctx: ApiContext, tenant: str, policy: TenantPolicy, *,
+                   forward_only: bool) -> dict[str, Any]:
     declared = int(request.headers.get("content-length") or 0)
     body = b"" if declared > ctx.max_request_bytes else await request.body()
     if max(declared, len(body)) > ctx.max_request_bytes:
@@ -162,10 +166,11 @@ async def _forward(request: Request, ctx: ApiContext, tenant: str, *, forward_on
                                meta.provenance or (None,) * len(batch.data))
     await _check_lengths(ctx, record, batch)
     tokens = sum(input_length(d.model_input) for d in batch.data)
-    await ctx.limiter.admit(tenant, record.queue, input_tokens=tokens)
     op = Op.FORWARD if (forward_only or meta.forward_only) else Op.FORWARD_BACKWARD
+    await ctx.quotas.check(tenant, policy, op)
+    await ctx.limiter.admit(tenant, record.queue, input_tokens=tokens)
     rid = await ctx.store.submit(op=op, owner=tenant, model_id=record.model_id, queue=record.queue,
-                                 payload=batch, seq_id=meta.seq_id)
+                                 payload=batch, seq_id=meta.seq_id, weight=policy.weight)
     return _future(rid, record.model_id)
 
 
@@ -188,39 +193,41 @@ async def _check_lengths(ctx: ApiContext, record: ModelRecord, batch: Any) -> No
 
 
 @router.post("/forward_backward", openapi_extra=_batch_body("forward_backward_input"))
-async def forward_backward(request: Request, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
-    return await _forward(request, ctx, tenant, forward_only=False)
+async def forward_backward(request: Request, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
+    return await _forward(request, ctx, tenant, policy, forward_only=False)
 
 
 @router.post("/forward", openapi_extra=_batch_body("forward_input"))
-async def forward(request: Request, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
-    return await _forward(request, ctx, tenant, forward_only=True)
+async def forward(request: Request, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
+    return await _forward(request, ctx, tenant, policy, forward_only=True)
 
 
 @router.post("/optim_step")
-async def optim_step(body: OptimStepBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def optim_step(body: OptimStepBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     if body.adam_params is None:
         raise InvalidRequest("optim_step needs adam_params.", hint="Only the Adam optimizer is supported.")
     record = await ctx.store.model(body.model_id, tenant)
     params = adam_params_from_json(body.adam_params.model_dump())
+    await ctx.quotas.check(tenant, policy, Op.OPTIM_STEP)
     await ctx.limiter.admit(tenant, record.queue)
     rid = await ctx.store.submit(op=Op.OPTIM_STEP, owner=tenant, model_id=record.model_id,
-                                 queue=record.queue, payload=params, seq_id=body.seq_id)
+                                 queue=record.queue, payload=params, seq_id=body.seq_id, weight=policy.weight)
     return _future(rid, record.model_id)
 
 
 @router.post("/save_weights")
-async def save_weights(body: SaveWeightsBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def save_weights(body: SaveWeightsBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     record = await ctx.store.model(body.model_id, tenant)
     name = validate_name(body.path) if body.path else new_checkpoint_name()
     req = SaveRequest(name=name, kind="weights", include_optimizer=True, overwrite=body.overwrite,
                       ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata or {})
-    rid = await submit_save(ctx, tenant, record, Op.SAVE_STATE, req, seq_id=body.seq_id)
+    rid = await submit_save(ctx, tenant, policy, record, Op.SAVE_STATE, req, seq_id=body.seq_id)
     return _future(rid, record.model_id)
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(body: SaveWeightsForSamplerBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def save_weights_for_sampler(body: SaveWeightsForSamplerBody, ctx: Ctx, tenant: Tenant,
+                                   policy: Policy) -> dict[str, Any]:
     record = await ctx.store.model(body.model_id, tenant)
     sampling_session_id = None
     if body.path:
@@ -231,39 +238,40 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerBody, ctx: Ctx, te
         sampling_session_id = checked_new_id(f"{record.session_id}:sample:{seq}", "sampling session id")
     req = SaveRequest(name=name, kind="sampler_weights", include_optimizer=False, ttl_seconds=body.ttl_seconds,
                       user_metadata=body.user_metadata or {}, sampling_session_id=sampling_session_id)
-    rid = await submit_save(ctx, tenant, record, Op.SAVE_WEIGHTS_FOR_SAMPLER, req, seq_id=body.seq_id)
+    rid = await submit_save(ctx, tenant, policy, record, Op.SAVE_WEIGHTS_FOR_SAMPLER, req, seq_id=body.seq_id)
     return _future(rid, record.model_id)
 
 
 @router.post("/load_weights")
-async def load_weights(body: LoadWeightsBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def load_weights(body: LoadWeightsBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     ref = parse_checkpoint_path(body.path)
     metadata = ctx.checkpoints.metadata(tenant, ref)
     if body.model_id:
         record = await ctx.store.model(body.model_id, tenant)
         req = LoadRequest(owner=tenant, path=body.path, include_optimizer=body.optimizer)
+        await ctx.quotas.check(tenant, policy, Op.LOAD_STATE)
         await ctx.limiter.admit(tenant, record.queue)
         rid = await ctx.store.submit(op=Op.LOAD_STATE, owner=tenant, model_id=record.model_id,
-                                     queue=record.queue, payload=req, seq_id=body.seq_id)
+                                     queue=record.queue, payload=req, seq_id=body.seq_id, weight=policy.weight)
         return _future(rid, record.model_id)
     if not body.session_id:
         raise InvalidRequest("load_weights needs model_id, or session_id to create a model from the checkpoint.")
     lora = metadata.get("lora") or {}
     spec = lora_spec_from_dict(lora)
     base_model = body.base_model or metadata.get("base_model") or ""
-    record = await _register_model(ctx, tenant, body.session_id, body.model_seq_id, base_model, spec,
-                                   body.user_metadata)
+    record = await _register_model(ctx, tenant, policy, Op.LOAD_STATE, body.session_id, body.model_seq_id,
+                                   base_model, spec, body.user_metadata)
     req = LoadRequest(owner=tenant, path=body.path, include_optimizer=body.optimizer, lora=spec)
     rid = await ctx.store.submit(op=Op.LOAD_STATE, owner=tenant, model_id=record.model_id, queue=record.queue,
-                                 payload=req, seq_id=0)
+                                 payload=req, seq_id=0, weight=policy.weight)
     return _future(rid, record.model_id)
 
 
 @router.post("/unload_model")
-async def unload_model(body: ModelRef, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def unload_model(body: ModelRef, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     record = await ctx.store.model(body.model_id, tenant)
-    await ctx.limiter.admit(tenant, record.queue)
+    await ctx.limiter.admit(tenant, record.queue)  # no quota refuses an unload: it frees what the key holds
     rid = await ctx.store.submit(op=Op.UNLOAD_MODEL, owner=tenant, model_id=record.model_id,
-                                 queue=record.queue, payload=None)
+                                 queue=record.queue, payload=None, weight=policy.weight)
     await ctx.store.release_model(record, reason="unloaded by its owner")
     return _future(rid, record.model_id)

@@ -13,12 +13,13 @@ from pydantic import ConfigDict, Field, field_validator
 
 from api.checkpoint_writes import submit_save
 from api.context import ApiContext
-from api.deps import Ctx, Tenant
+from api.deps import Ctx, Policy, Tenant
 from api.schemas import Body
 from twinkle.catalog import processor_queue
 from twinkle.checkpoints import parse_checkpoint_path, validate_name
 from twinkle.errors import InvalidRequest
 from twinkle.futures import Op
+from twinkle.tenancy import TenantPolicy
 from twinkle.types import LoadRequest, SaveRequest
 
 router = APIRouter(prefix="/twinkle", tags=["twinkle"])
@@ -107,12 +108,15 @@ class EncodeBody(Body):
     add_generation_prompt: bool = False
 
 
-async def _submit(ctx: ApiContext, tenant: str, model_id: str, op: Op, payload: Any, *,
+async def _submit(ctx: ApiContext, tenant: str, policy: TenantPolicy, model_id: str, op: Op, payload: Any, *,
                   input_tokens: int = 0) -> dict[str, Any]:
-    """Every op here counts against the key's rate limits on its pool, as the Tinker routes do."""
+    """Every op here is checked against the key's quotas and counts against its rate limits on its pool, as
+    the Tinker routes do."""
     record = await ctx.store.model(model_id, tenant)
+    await ctx.quotas.check(tenant, policy, op)
     await ctx.limiter.admit(tenant, record.queue, input_tokens=input_tokens)
-    rid = await ctx.store.submit(op=op, owner=tenant, model_id=record.model_id, queue=record.queue, payload=payload)
+    rid = await ctx.store.submit(op=op, owner=tenant, model_id=record.model_id, queue=record.queue, payload=payload,
+                                 weight=policy.weight)
     return {"request_id": rid, "model_id": record.model_id}
 
 
@@ -138,68 +142,70 @@ def _input_tokens(inputs: list[dict[str, Any]]) -> int:
 
 
 @router.post("/configure")
-async def configure(body: ConfigureBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def configure(body: ConfigureBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     changes = body.model_dump(exclude={"model_id"}, exclude_none=True)
-    return await _submit(ctx, tenant, body.model_id, Op.CONFIGURE, changes)
+    return await _submit(ctx, tenant, policy, body.model_id, Op.CONFIGURE, changes)
 
 
 @router.post("/forward_backward")
-async def forward_backward(body: InputsBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def forward_backward(body: InputsBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     await _check_vocabulary(ctx, tenant, body)
     payload = {"inputs": body.inputs, "loss_kwargs": body.loss_kwargs or {}}
-    return await _submit(ctx, tenant, body.model_id, Op.FORWARD_BACKWARD, payload,
+    return await _submit(ctx, tenant, policy, body.model_id, Op.FORWARD_BACKWARD, payload,
                          input_tokens=_input_tokens(body.inputs))
 
 
 @router.post("/forward_only")
-async def forward_only(body: InputsBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def forward_only(body: InputsBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     await _check_vocabulary(ctx, tenant, body)
     payload = {"inputs": body.inputs, "loss_kwargs": body.loss_kwargs or {}, "disable_lora": body.disable_lora}
-    return await _submit(ctx, tenant, body.model_id, Op.FORWARD, payload, input_tokens=_input_tokens(body.inputs))
+    return await _submit(ctx, tenant, policy, body.model_id, Op.FORWARD, payload,
+                         input_tokens=_input_tokens(body.inputs))
 
 
 @router.post("/clip_grad_and_step")
-async def clip_grad_and_step(body: StepBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
-    return await _submit(ctx, tenant, body.model_id, Op.CLIP_GRAD_AND_STEP, {"max_grad_norm": body.max_grad_norm})
+async def clip_grad_and_step(body: StepBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
+    return await _submit(ctx, tenant, policy, body.model_id, Op.CLIP_GRAD_AND_STEP,
+                         {"max_grad_norm": body.max_grad_norm})
 
 
 @router.post("/calculate_metric")
-async def calculate_metric(body: MetricBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
-    return await _submit(ctx, tenant, body.model_id, Op.CALCULATE_METRIC, {"is_training": body.is_training})
+async def calculate_metric(body: MetricBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
+    return await _submit(ctx, tenant, policy, body.model_id, Op.CALCULATE_METRIC, {"is_training": body.is_training})
 
 
 @router.post("/get_train_configs")
-async def get_train_configs(body: ModelBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
-    return await _submit(ctx, tenant, body.model_id, Op.GET_TRAIN_CONFIGS, None)
+async def get_train_configs(body: ModelBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
+    return await _submit(ctx, tenant, policy, body.model_id, Op.GET_TRAIN_CONFIGS, None)
 
 
 @router.post("/save")
-async def save(body: SaveBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def save(body: SaveBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     req = SaveRequest(name=validate_name(body.name), kind=body.kind,  # type: ignore[arg-type]
                       include_optimizer=body.save_optimizer, overwrite=True,
                       consumed_train_samples=body.consumed_train_samples)
     op = Op.SAVE_STATE if body.kind == "weights" else Op.SAVE_WEIGHTS_FOR_SAMPLER
     record = await ctx.store.model(body.model_id, tenant)
-    return {"request_id": await submit_save(ctx, tenant, record, op, req), "model_id": record.model_id}
+    return {"request_id": await submit_save(ctx, tenant, policy, record, op, req), "model_id": record.model_id}
 
 
 @router.post("/resume_from_checkpoint")
-async def resume_from_checkpoint(body: ResumeBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def resume_from_checkpoint(body: ResumeBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     ref = parse_checkpoint_path(body.path)
     ctx.checkpoints.existing(tenant, ref)
     if ref.kind != "weights":
         raise InvalidRequest("Resume needs a training checkpoint (…/weights/<name>), not a sampler snapshot.")
     req = LoadRequest(owner=tenant, path=body.path, include_optimizer=not body.resume_only_model,
                       restore_trainer=True, only_model=body.resume_only_model)
-    return await _submit(ctx, tenant, body.model_id, Op.LOAD_STATE, req)
+    return await _submit(ctx, tenant, policy, body.model_id, Op.LOAD_STATE, req)
 
 
 @router.post("/upload_to_hub")
-async def upload_to_hub(body: UploadBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def upload_to_hub(body: UploadBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     ctx.checkpoints.existing(tenant, parse_checkpoint_path(body.checkpoint_dir))
     payload = {"checkpoint_path": body.checkpoint_dir, "hub_model_id": body.hub_model_id,
                "hub_token": body.hub_token, "private": body.private}
-    return await _submit(ctx, tenant, body.model_id, Op.UPLOAD_TO_HUB, payload)
+    return await _submit(ctx, tenant, policy, body.model_id, Op.UPLOAD_TO_HUB, payload)
 
 
 @router.get("/capacity_info")
@@ -217,7 +223,7 @@ async def capacity_info(ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
 
 
 @router.post("/encode")
-async def encode(body: EncodeBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+async def encode(body: EncodeBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     apps = ctx.config.processor_apps()
     if not apps:
         raise InvalidRequest("This server has no processor application.",
@@ -227,6 +233,8 @@ async def encode(body: EncodeBody, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     requested = str(body.template_kwargs.get("model_id") or next(iter(ctx.catalog.models), ""))
     payload["template_kwargs"] = {**body.template_kwargs, "model_id": ctx.catalog.find(requested).model_id}
     queue = processor_queue(apps[0].name)
+    await ctx.quotas.check(tenant, policy, Op.ENCODE)
     await ctx.limiter.admit(tenant, queue)  # rows are not tokens yet: counted as one request
-    rid = await ctx.store.submit(op=Op.ENCODE, owner=tenant, model_id="", queue=queue, payload=payload)
+    rid = await ctx.store.submit(op=Op.ENCODE, owner=tenant, model_id="", queue=queue, payload=payload,
+                                 weight=policy.weight)
     return {"request_id": rid}

@@ -1,8 +1,21 @@
-"""The API's view of the broker: when it started, so a request it lost reads as lost, not unknown."""
+"""The API's view of the broker: when it started, so a request it lost reads as lost, not unknown; the tenant's
+weight on every future record; the tier's training-run cap next to the server's model limit."""
 
 from __future__ import annotations
 
-from api.store import broker_start_time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from api.store import Store, broker_start_time
+from tests.harness import async_redis
+from twinkle.errors import LimitExceeded, QuotaExceeded
+from twinkle.futures import Op
+from twinkle.keys import Keys
+from twinkle.records import ModelRecord
+from twinkle.tenancy import TenantPolicy
 
 
 def test_the_broker_start_time_is_never_before_the_real_start_whatever_second_it_is_read_in() -> None:
@@ -20,3 +33,56 @@ def test_a_request_accepted_just_before_a_restart_counts_as_before_it() -> None:
     assert accepted < broker_start_time(info)
     assert not accepted < 1_004.3 - info["uptime_in_seconds"]  # what `now - uptime` said
     assert restarted <= broker_start_time(info)
+
+
+class SentTasks:
+    """Stands in for Celery: remembers what would have been published."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def send_task(self, name: str, **kwargs: Any) -> None:
+        self.sent.append({"name": name, **kwargs})
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[Store]:
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    async with async_redis(db=2) as r:
+        yield Store(r, Keys(prefix), SentTasks(), future_ttl=60, session_ttl=60)  # type: ignore[arg-type]
+        async for key in r.scan_iter(f"{prefix}*"):
+            await r.delete(key)
+
+
+async def test_a_submitted_op_carries_the_tenants_weight_on_its_future_record(store: Store) -> None:
+    rid = await store.submit(op=Op.FORWARD_BACKWARD, owner="alice", model_id="m1", queue="model.q.0", payload=None,
+                             weight=2.5)
+    assert (await store.future(rid, "alice")).weight == 2.5
+    default = await store.submit(op=Op.FORWARD_BACKWARD, owner="bob", model_id="m2", queue="model.q.0", payload=None)
+    assert (await store.future(default, "bob")).weight == 1.0
+
+
+def model(owner: str, n: int) -> ModelRecord:
+    return ModelRecord(model_id=f"{owner}-run-{n}", owner=owner, session_id="s", base_model="tiny", app="models",
+                       queue="model.q.0", lora={}, created_at=0.0, last_request_at=0.0)
+
+
+async def test_the_tiers_training_run_cap_and_the_servers_model_limit_combine_and_the_smaller_wins(
+        store: Store) -> None:
+    capped = TenantPolicy(tier="free", max_training_runs=1)
+    await store.add_model(model("alice", 0), limit=3, policy=capped)
+    with pytest.raises(QuotaExceeded, match=r"1 active training runs.*'free' allows 1") as refused:
+        await store.add_model(model("alice", 1), limit=3, policy=capped)
+    assert refused.value.status_code == 403
+    await store.release_model(model("alice", 0), reason="unloaded by its owner")
+    await store.add_model(model("alice", 1), limit=3, policy=capped)  # a freed run makes room again
+
+    roomy = TenantPolicy(tier="gold", max_training_runs=5)
+    for n in range(2):
+        await store.add_model(model("bob", n), limit=2, policy=roomy)
+    with pytest.raises(LimitExceeded, match="2 active models"):  # the server's limit is the smaller one
+        await store.add_model(model("bob", 2), limit=2, policy=roomy)
+    for n in range(3):
+        await store.add_model(model("carol", n), limit=0, policy=TenantPolicy(max_training_runs=3))
+    with pytest.raises(QuotaExceeded):
+        await store.add_model(model("carol", 3), limit=0, policy=TenantPolicy(max_training_runs=3))

@@ -16,6 +16,7 @@ from twinkle_client.errors import (
     GoneError,
     InternalServerError,
     InvalidArgument,
+    QuotaExceededError,
     RateLimitError,
     RequestFailed,
     TwinkleClientError,
@@ -30,6 +31,7 @@ ERRORS = [
     RequestFailed("user", "Unknown loss 'L1'.", "req-1", "invalid_request"),
     api_error(429, "Over the limit.", "rid-1", "rate_limited", "user"),
     api_error(503, "Queue down.", "rid-2", "broker_unavailable", "server"),
+    api_error(403, "forward_backward refused: used 10 of 5.", "rid-3", "quota_exceeded", "user"),
 ]
 
 
@@ -64,6 +66,13 @@ def test_messages_carry_the_servers_message_and_the_request_id() -> None:
 def test_statuses_map_to_their_class(status: int, cls: type[APIError]) -> None:
     error = api_error(status, "m")
     assert type(error) is cls and error.status == status
+
+
+def test_a_used_up_quota_maps_to_its_own_class_by_its_code_and_other_403s_stay_authentication_errors() -> None:
+    error = api_error(403, "forward_backward refused: ... resets at 2025-07-01T00:00:00Z.", "rid", "quota_exceeded")
+    assert type(error) is QuotaExceededError and error.status == 403 and error.code == "quota_exceeded"
+    assert "resets at" in str(error)
+    assert type(api_error(403, "Signed URL expired.", "rid", "forbidden")) is AuthenticationError
 
 
 def test_timeouts_and_bad_arguments_are_also_the_builtin_exceptions() -> None:

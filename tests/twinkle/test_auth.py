@@ -1,4 +1,5 @@
-"""API keys: hashes only, the keys file re-read when it changes, at most one stat per second."""
+"""API keys: hashes only, the keys file re-read when it changes, at most one stat per second, and each key's
+policy (tier, weight) resolved from the same read."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from twinkle.auth import KeyChecker, hash_key, read_keys_file, tenant_id
+from twinkle.config.tenancy import QuotaConfig, TenancyConfig, TierConfig
 from twinkle.errors import Unauthenticated
-from twinkle.keys_file import add_key, read_entries, revoke
+from twinkle.keys_file import add_key, read_entries, revoke, set_tier
+from twinkle.tenancy import TenantPolicy
 
 
 class FakeClock:
@@ -107,3 +110,55 @@ def test_an_admin_key_is_accepted_and_marked_while_tenant_keys_are_not() -> None
 def test_development_mode_makes_nobody_an_admin() -> None:
     checker = KeyChecker(set())
     assert checker.dev_mode and not checker.is_admin("anything")
+
+
+TENANCY = TenancyConfig(default_tier="free", tiers={
+    "free": TierConfig(weight=1, quotas={"trained_tokens": QuotaConfig(day=100)}), "gold": TierConfig(weight=4)})
+
+
+def test_a_keys_policy_comes_from_its_tier_in_the_file_and_its_own_weight_overrides_the_tiers(
+        tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    gold, _ = add_key(keys_file, "gold", tier="gold")
+    heavy, _ = add_key(keys_file, "heavy", tier="gold", weight=8)
+    plain, _ = add_key(keys_file, "plain")
+    checker = KeyChecker(set(), str(keys_file), tenancy=TENANCY)
+    assert checker.identify(gold) == (tenant_id(gold), TenantPolicy(tier="gold", weight=4.0))
+    assert checker.identify(heavy)[1] == TenantPolicy(tier="gold", weight=8.0)
+    assert checker.identify(plain)[1] == checker.policies.default
+    assert checker.identify(plain)[1].tier == "free" and checker.identify(plain)[1].quotas
+
+
+def test_a_weight_or_tier_changed_in_the_file_applies_at_the_next_recheck_without_a_restart(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    raw, _ = add_key(keys_file, "alice")
+    clock = FakeClock()
+    checker = KeyChecker(set(), str(keys_file), clock=clock, tenancy=TENANCY)
+    assert checker.identify(raw)[1].weight == 1.0
+    set_tier(keys_file, "alice", tier="gold", weight=2.5)
+    clock.now += 0.5
+    assert checker.identify(raw)[1].weight == 1.0  # not stat'ed again yet
+    clock.now += 0.6
+    assert checker.identify(raw)[1] == TenantPolicy(tier="gold", weight=2.5)
+    set_tier(keys_file, "alice", tier="-", weight=0)
+    clock.now += 1.1
+    assert checker.identify(raw)[1] is checker.policies.default
+
+
+def test_config_listed_keys_and_keys_in_development_mode_get_the_default_tier(tmp_path: Path) -> None:
+    configured = KeyChecker({hash_key("tml-listed")}, admin_hashes={hash_key("tml-admin")}, tenancy=TENANCY)
+    assert configured.identify("tml-listed")[1].tier == "free"
+    assert configured.identify("tml-admin")[1].tier == "free"
+    dev = KeyChecker(set(), tenancy=TENANCY)
+    assert dev.dev_mode and dev.identify("tml-anything") == (tenant_id("tml-anything"), dev.policies.default)
+
+
+def test_a_key_naming_a_tier_the_config_lacks_gets_the_default_tier_and_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    keys_file = tmp_path / "keys"
+    raw, _ = add_key(keys_file, "alice", tier="platinum", weight=3)
+    checker = KeyChecker(set(), str(keys_file), tenancy=TENANCY)
+    with caplog.at_level("WARNING", logger="twinkle.auth"):
+        policy = checker.identify(raw)[1]
+    assert policy.tier == "free" and policy.weight == 3.0
+    assert "platinum" in caplog.text

@@ -5,8 +5,9 @@
     twinkle-server print-config -c cfg.yaml [--format yaml|json]
     twinkle-server clear persistence -c cfg.yaml
     twinkle-server build-tiny-model OUT_DIR [--vocab-size N] [--seed S]
-    twinkle-server keys add [--label NAME] [--prefix tw-|tml-] | list | revoke LABEL_OR_HASH_PREFIX
-                         [--keys-file PATH | -c cfg.yaml]
+    twinkle-server keys add [--label NAME] [--prefix tw-|tml-] [--tier TIER] [--weight W] | list
+                       | set LABEL_OR_HASH_PREFIX [--tier TIER] [--weight W] | revoke LABEL_OR_HASH_PREFIX
+                       [--keys-file PATH | -c cfg.yaml]
 
 `-c` defaults to $TWINKLE_SERVER_CONFIG and `--namespace` to $TWINKLE_RAY_NAMESPACE, then to the config's
 `ray_namespace`. Exit codes: 0 success, 2 invalid arguments or config, 1 any other Twinkle error.
@@ -27,7 +28,7 @@ import yaml
 
 from twinkle.config import ConfigError, ServerConfig, config_to_dict, load_config
 from twinkle.errors import TwinkleError
-from twinkle.keys_file import KEY_PREFIXES, add_key, read_entries, revoke
+from twinkle.keys_file import KEY_PREFIXES, NO_LABEL, KeyEntry, add_key, read_entries, revoke, set_tier
 
 CONFIG_ENV = "TWINKLE_SERVER_CONFIG"
 NAMESPACE_ENV = "TWINKLE_RAY_NAMESPACE"
@@ -117,13 +118,21 @@ def _add_keys_commands(commands: Any) -> None:
     add.add_argument("--prefix", choices=KEY_PREFIXES, default="tw-",
                      help="key prefix (default tw-; the unmodified Tinker SDK accepts only tml- keys "
                      "unless the client calls twinkle.init_tinker_client())")
+    add.add_argument("--tier", default="", help="the key's tier, one of the config's tenancy.tiers "
+                     "(default: tenancy.default_tier)")
+    add.add_argument("--weight", type=float, help="the key's own fair-share weight, instead of its tier's")
     add.set_defaults(command=_keys_add)
-    listing = actions.add_parser("list", help="show hash prefixes, labels and creation times")
+    listing = actions.add_parser("list", help="show hash prefixes, labels, creation times, tiers and weights")
     listing.set_defaults(command=_keys_list)
+    update = actions.add_parser("set", help="change a key's tier or weight (effective within ~1 s, no restart)")
+    update.add_argument("selector", metavar="LABEL_OR_HASH_PREFIX")
+    update.add_argument("--tier", help=f"the new tier ('{NO_LABEL}': back to tenancy.default_tier)")
+    update.add_argument("--weight", type=float, help="the key's own fair-share weight (0: its tier's again)")
+    update.set_defaults(command=_keys_set)
     revoke = actions.add_parser("revoke", help="remove a key by label or hash prefix (effective within ~1 s)")
     revoke.add_argument("selector", metavar="LABEL_OR_HASH_PREFIX")
     revoke.set_defaults(command=_keys_revoke)
-    for action in (add, listing, revoke):
+    for action in (add, listing, update, revoke):
         action.add_argument("--keys-file", type=Path, help="the keys file (default: the config's auth.keys_file)")
         action.add_argument("-c", "--config", default=os.environ.get(CONFIG_ENV), metavar="PATH",
                             help=f"YAML server config whose auth.keys_file to use (default: ${CONFIG_ENV})")
@@ -237,6 +246,12 @@ def _check_config(options: argparse.Namespace) -> int:
     print(f"ok: {count} application{'s' if count != 1 else ''} ({names})")
     if config.auth.dev_mode:
         print("note: no api_keys or keys_file: development mode, any API key is accepted", file=sys.stderr)
+    if config.auth.keys_file:
+        tiers = {entry.tier for entry in read_entries(config.auth.keys_file)}
+        unknown = sorted(tier for tier in tiers if tier and tier not in config.tenancy.tiers)
+        if unknown:
+            print(f"warning: {config.auth.keys_file} names tiers that tenancy.tiers lacks ({', '.join(unknown)}); "
+                  f"those keys get the default tier {config.tenancy.default_tier!r}", file=sys.stderr)
     from twinkle.config.runtime import runtime_problems
 
     for problem in runtime_problems(config):
@@ -298,10 +313,11 @@ def _keys_file_of(options: argparse.Namespace) -> Path:
 
 def _keys_add(options: argparse.Namespace) -> int:
     path = _keys_file_of(options)
-    raw, entry = add_key(path, options.label, prefix=options.prefix)
+    _refuse_unknown_tier(options, options.tier)
+    raw, entry = add_key(path, options.label, prefix=options.prefix, tier=options.tier, weight=options.weight)
     print(raw)
-    print(f"added key {entry.key_hash[:12]}{f' ({entry.label})' if entry.label else ''} to {path}. "
-          "This is the only time the key is shown; the file keeps its SHA-256 hash only.", file=sys.stderr)
+    print(f"added key {entry.key_hash[:12]}{f' ({entry.label})' if entry.label else ''}{_tier_text(entry)} to "
+          f"{path}. This is the only time the key is shown; the file keeps its SHA-256 hash only.", file=sys.stderr)
     return EXIT_OK
 
 
@@ -311,8 +327,36 @@ def _keys_list(options: argparse.Namespace) -> int:
     if not entries:
         print(f"no keys in {path}", file=sys.stderr)
     for entry in entries:
-        print(f"{entry.key_hash[:12]}  {entry.label or '-':<24} {entry.created or '-'}")
+        print(f"{entry.key_hash[:12]}  {entry.label or '-':<24} {entry.created or '-'}{_tier_text(entry)}")
     return EXIT_OK
+
+
+def _keys_set(options: argparse.Namespace) -> int:
+    if options.tier is None and options.weight is None:
+        options.parser.error("pass --tier, --weight or both")
+    path = _keys_file_of(options)
+    if options.tier not in (None, "", NO_LABEL):
+        _refuse_unknown_tier(options, options.tier)
+    entry = set_tier(path, options.selector, tier=options.tier, weight=options.weight)
+    now = _tier_text(entry).strip() or "the default tier, with its weight"
+    print(f"key {entry.key_hash[:12]}{f' ({entry.label})' if entry.label else ''}: {now}; running servers apply "
+          "it within about a second")
+    return EXIT_OK
+
+
+def _tier_text(entry: KeyEntry) -> str:
+    return (f"  tier={entry.tier}" if entry.tier else "") + (f"  weight={entry.weight:g}" if entry.weight else "")
+
+
+def _refuse_unknown_tier(options: argparse.Namespace, tier: str) -> None:
+    """With a config at hand (-c or $TWINKLE_SERVER_CONFIG), a tier it does not define is a usage error."""
+    if not tier or not options.config:
+        return
+    tiers = load_config(options.config).tenancy.tiers
+    if tier not in tiers:
+        close = difflib.get_close_matches(tier, list(tiers), n=1)
+        options.parser.error(f"{options.config} defines no tier {tier!r} under tenancy.tiers"
+                             + (f"; did you mean {close[0]!r}?" if close else f" (tiers: {', '.join(tiers)})"))
 
 
 def _keys_revoke(options: argparse.Namespace) -> int:
