@@ -199,6 +199,21 @@ def sum_amounts(rows: Iterable[Mapping[str, int]]) -> dict[str, int]:
     return out
 
 
+def group_detail(detail: Mapping[str, int], by: str) -> dict[str, dict[str, int]]:
+    """A day's detail hash (decoded) summed per run (`by="run"`) or per base model (`by="model"`)."""
+    out: dict[str, dict[str, int]] = {}
+    for field_name, value in detail.items():
+        run, model, metric = split_detail(field_name)
+        amounts = out.setdefault(run if by == "run" else model, {})
+        amounts[metric] = amounts.get(metric, 0) + int(value)
+    return out
+
+
+def cost_of(amounts: Mapping[str, int], prices: Mapping[str, float]) -> float:
+    """What `amounts` cost at `prices` (metric -> price per unit), rounded off float noise."""
+    return round(sum(amounts.get(name, 0) * float(price) for name, price in prices.items()), 9)
+
+
 # KEYS: the op's future, day, month, total, detail, tenants set. ARGV: retention, tenant, detail prefix, then
 # metric/amount pairs. A future that is gone (expired, or lost with a broker restart) is not counted.
 _RECORD = """

@@ -7,6 +7,7 @@ call, so a page only ever shows the caller's own tenant, and operators (`auth.ad
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,11 +16,13 @@ from fastapi.responses import FileResponse, HTMLResponse
 
 from api.console import pages
 from api.console.readings import pool_readings, recent_errors, run_series, tenant_readings
+from api.console.usage_page import usage_page
 from api.context import ApiContext
-from api.deps import Ctx, Tenant
+from api.deps import Ctx, IsAdmin, Tenant
+from api.usage_report import DEFAULT_DAYS, MAX_DAYS, build_report, tenants_with_usage, usage_query
 from twinkle.auth import key_from_headers
 from twinkle.checkpoints import CHECKPOINT_TYPES, CheckpointRef
-from twinkle.errors import NotFound
+from twinkle.errors import InvalidRequest, NotFound
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 STATIC = Path(__file__).parent / "static"
@@ -97,3 +100,18 @@ async def run_metrics(run_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     record, series = await run_series(ctx, tenant, run_id)
     return {"run_id": record.model_id, "steps": record.steps,
             "series": {name: [[s, v] for s, v in points] for name, points in series.items()}}
+
+
+@router.get("/fragments/usage")
+async def usage(request: Request, ctx: Ctx, tenant: Tenant, admin: IsAdmin, key: str | None = None,
+                days: int = DEFAULT_DAYS) -> HTMLResponse:
+    """The last `days` UTC days of the caller's usage (operators: of tenant `key`, or `all`)."""
+    if not 1 <= days <= MAX_DAYS:
+        raise InvalidRequest(f"days={days} is out of range.", hint=f"Show 1 to {MAX_DAYS} days.")
+    now = time.time()
+    since, until = str(now - (days - 1) * 86400), str(now)
+    by_day = await build_report(ctx, usage_query(tenant, admin, key=key, since=since, until=until))
+    by_run = await build_report(ctx, usage_query(tenant, admin, key=key, since=since, until=until, group_by="run"))
+    return _html(usage_page(by_day, by_run, caller=tenant, is_admin=admin, days=days,
+                            tenants=await tenants_with_usage(ctx) if admin else [],
+                            csv_path=request.app.url_path_for("get_usage")))

@@ -1,11 +1,15 @@
 """The web console in a real headless Chromium (Debian's, driven by Playwright): sign in with a key, a run that
-trained 5 steps shows a falling loss curve, another tenant's run id shows nothing, operators see the pools.
-Screenshots are saved under tests/artifacts/ (docs/console-*.png are copies of them)."""
+trained 5 steps shows a falling loss curve, another tenant's run id shows nothing, operators see the pools, and
+the usage page charts what a key's ops used per day and lists it per run. Screenshots are saved under
+tests/artifacts/ (docs/console-*.png are copies of them)."""
 
 from __future__ import annotations
 
+import csv
+import io
 import itertools
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,10 +21,13 @@ import tinker
 from tinker import types
 
 from tests.harness import LaunchedServer, launch
-from twinkle.auth import hash_key
+from twinkle.auth import hash_key, tenant_id
+from twinkle.futures import FutureRecord, new_request_id
+from twinkle.usage import UsageLedger, day_of, sum_amounts
 
 pytestmark = pytest.mark.e2e
 OWNER, STRANGER, OPERATOR = "tml-console-owner", "tml-console-stranger", "tml-console-operator"
+PAYER = "tml-console-payer"  # its usage is recorded by the test itself, as the pools record it
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -29,7 +36,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[LaunchedServer]:
-    auth = {"api_keys": [hash_key(OWNER), hash_key(STRANGER)], "admin_keys": [hash_key(OPERATOR)]}
+    auth = {"api_keys": [hash_key(OWNER), hash_key(STRANGER), hash_key(PAYER)], "admin_keys": [hash_key(OPERATOR)]}
     launched = launch(tmp_path_factory.mktemp("console"), tiny_model_dir, db=15, sampler=True, auth=auth,
                       queue_config={"rps_limit": 100})
     yield launched
@@ -151,3 +158,76 @@ def test_the_metrics_json_has_one_point_per_step(server: LaunchedServer, trained
     assert [s for s, _ in body["series"]["loss:sum"]] == [1, 2, 3, 4, 5]
     assert "grad_norm:mean" in body["series"]
     assert json.dumps(body)  # plain JSON, no NaN
+
+
+NOW = time.time()
+PAYER_OPS = [  # (days ago, run, what the op used)
+    (0, "s7:train:0", {"trained_tokens": 12_000, "optim_steps": 3, "pool_ms": 5_400}),
+    (0, "s7:train:1", {"trained_tokens": 3_000, "pool_ms": 1_200, "checkpoint_bytes": 2_500_000}),
+    (1, "s7:train:0", {"trained_tokens": 8_000, "optim_steps": 2, "pool_ms": 3_600}),
+    (3, "s7:train:0", {"trained_tokens": 4_000, "optim_steps": 1, "pool_ms": 2_000}),
+    (6, "s7:train:1", {"sampled_prompt_tokens": 300, "sampled_tokens": 900, "pool_ms": 800}),
+]
+
+
+@pytest.fixture(scope="module")
+def payer_usage(server: LaunchedServer) -> dict[str, int]:
+    """PAYER's ops over the last week, recorded once each the way the pools record them."""
+    r = server.redis
+    ledger = UsageLedger(r, server.keys)
+    for days_ago, run, amounts in PAYER_OPS:
+        rec = FutureRecord(request_id=new_request_id(), op="forward_backward", owner=tenant_id(PAYER), model_id=run,
+                           queue="model.models-tiny.0", status="completed")
+        r.hset(server.keys.future(rec.request_id), mapping=rec.to_hash())
+        assert ledger.record(rec, "tiny-qwen", amounts, at=NOW - days_ago * 86400)
+    return sum_amounts(amounts for _, _, amounts in PAYER_OPS)
+
+
+def test_the_usage_page_charts_a_keys_usage_per_day_and_lists_it_per_run(
+        server: LaunchedServer, browser: Any, payer_usage: dict[str, int]) -> None:
+    page = sign_in(browser, server, PAYER)
+    page.click("nav a[href='#/usage']")
+    page.wait_for_selector("body[data-loaded^='/console/fragments/usage'] .usage-chart")
+    assert tenant_id(PAYER) in page.inner_text("h2.usage-title")
+    totals = page.inner_text("#usage-totals")
+    assert "27,000" in totals and "13 s" in totals and "2.4 MB" in totals and "900" in totals
+    bars = page.locator(".usage-chart[data-metric='trained_tokens'] rect.bar")
+    titles = bars.evaluate_all("bs => bs.map(b => b.querySelector('title').textContent)")
+    assert titles == [f"{day_of(NOW - 3 * 86400)}: 4,000", f"{day_of(NOW - 86400)}: 8,000", f"{day_of(NOW)}: 15,000"]
+    heights = [float(h) for h in bars.evaluate_all("bs => bs.map(b => b.getAttribute('height'))")]
+    assert heights[0] < heights[1] < heights[2]  # drawn to scale: today's 15,000 is the tallest bar
+    assert page.locator(".usage-chart[data-metric='sampled_tokens'] rect.bar").count() == 1
+    assert page.locator(".usage-chart svg").count() == 6  # one chart per quantity with usage: no forwarded_tokens
+    runs = {row[0]: row for row in page.locator("#usage-runs tbody tr").evaluate_all(
+        "rs => rs.map(r => [...r.cells].map(c => c.textContent))")}
+    assert set(runs) == {"s7:train:0", "s7:train:1"}
+    assert runs["s7:train:0"][1] == "24,000" and runs["s7:train:1"][1] == "3,000"
+    assert page.locator("#usage-days tbody tr").count() == 4
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "console-usage.png"), full_page=True)
+
+    with page.expect_download() as download:  # the key goes as a header, never in the URL
+        page.click("a[data-csv*='-day-']")
+    assert download.value.suggested_filename.startswith(f"usage-{tenant_id(PAYER)}-day-")
+    lines = list(csv.DictReader(io.StringIO(Path(download.value.path()).read_text())))
+    assert [(line["day"], line["trained_tokens"]) for line in lines] == [
+        (day_of(NOW - 6 * 86400), "0"), (day_of(NOW - 3 * 86400), "4000"), (day_of(NOW - 86400), "8000"),
+        (day_of(NOW), "15000")]
+    page.close()
+
+
+def test_an_operator_picks_a_tenant_on_the_usage_page_and_others_cannot(
+        server: LaunchedServer, browser: Any, payer_usage: dict[str, int]) -> None:
+    page = sign_in(browser, server, OPERATOR, "#/usage")
+    page.select_option("select.usage-tenant", tenant_id(PAYER))
+    page.wait_for_selector(f"h2.usage-title:has-text('{tenant_id(PAYER)}')")
+    assert "27,000" in page.inner_text("#usage-totals")
+    page.select_option("select.usage-tenant", "all")
+    page.wait_for_selector("h2.usage-title:has-text('all tenants')")
+    assert tenant_id(PAYER) in page.inner_text("#usage-runs")
+    page.screenshot(path=str(ARTIFACTS / "console-usage-all.png"), full_page=True)
+    page.close()
+    page = sign_in(browser, server, STRANGER, "#/usage?key=" + tenant_id(PAYER))
+    assert "operator key" in page.inner_text("#view")
+    assert page.locator(".usage-chart").count() == 0
+    page.close()

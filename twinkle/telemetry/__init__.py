@@ -8,6 +8,7 @@ optional `telemetry` extra. Metric and span names follow the seed's "可观测�
 from twinkle.telemetry.gateway import link_future, record_rate_limit_rejection, setup_api_telemetry, submit_trace
 from twinkle.telemetry.worker import (
     op_span,
+    record_usage,
     setup_worker_telemetry,
     stop_worker_telemetry,
     task_finished,
@@ -18,6 +19,7 @@ __all__ = [
     "link_future",
     "op_span",
     "record_rate_limit_rejection",
+    "record_usage",
     "setup_api_telemetry",
     "setup_worker_telemetry",
     "stop_worker_telemetry",

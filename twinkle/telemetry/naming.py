@@ -42,6 +42,17 @@ METRICS: dict[str, InstrumentKind] = {
 }
 
 
+# Exact usage (twinkle/usage.py): one counter per metered quantity, `twinkle.usage.<metric>`, by tenant, model and
+# task type, counted when the pool's ledger counts the op. Not in METRICS above, which lists what every run
+# exports (a run that saves nothing counts no checkpoint bytes).
+USAGE_PREFIX = "twinkle.usage."
+
+
+def usage_metric(metric: str) -> str:
+    """The counter of one metered quantity (`trained_tokens` -> `twinkle.usage.trained_tokens`)."""
+    return USAGE_PREFIX + metric
+
+
 def span_name(deployment: str) -> str:
     return f"twinkle.server.{deployment}"
 

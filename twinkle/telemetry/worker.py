@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from twinkle.telemetry import naming
 from twinkle.telemetry.celery_tracing import instrument_celery
 from twinkle.telemetry.instruments import Instruments, instruments
 from twinkle.telemetry.leader import CleanupLeader, ServerGauges
-from twinkle.telemetry.pipeline import ensure_pipeline
+from twinkle.telemetry.pipeline import current_pipeline, ensure_pipeline
 
 log = logging.getLogger("twinkle.telemetry")
 _NO_SPAN = contextlib.nullcontext()
@@ -144,6 +145,21 @@ def task_finished(rec: Any, status: str, result: Any = None, error: Any = None) 
         if span.is_recording():
             span.set_attribute(naming.ERROR_CATEGORY, str(getattr(error, "category", "server")))
             span.set_status(StatusCode.ERROR, str(getattr(error, "code", "")) or type(error).__name__)
+
+
+def record_usage(rec: Any, model: str, amounts: Mapping[str, int]) -> None:
+    """Add what the op `rec` used to the `twinkle.usage.<metric>` counters, by tenant (the key's hash), base
+    `model` and task type. Call it when `UsageLedger.record` returned True, so that a retried or redelivered
+    op is counted once here too. A no-op unless this process exports telemetry."""
+    pipeline = current_pipeline()
+    if pipeline is None or not amounts:
+        return
+    counters = instruments(pipeline).usage
+    attributes = {"tenant": str(rec.owner), "model": model, "task_type": str(rec.op)}
+    for metric, amount in amounts.items():
+        counter = counters.get(metric)
+        if counter is not None and amount > 0:
+            counter.add(int(amount), attributes)
 
 
 def _metric_attributes(state: WorkerTelemetry, rec: Any) -> dict[str, str]:

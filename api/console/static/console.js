@@ -17,7 +17,10 @@ function showSignIn(message) {
 
 function route() {
   const m = location.hash.match(/^#\/runs\/(.+)$/);
-  return m ? "/console/fragments/runs/" + m[1] : "/console/fragments/overview";
+  if (m) return "/console/fragments/runs/" + m[1];
+  const u = location.hash.match(/^#\/usage(?:\?(.*))?$/);
+  if (u) return "/console/fragments/usage" + (u[1] ? "?" + u[1] : "");
+  return "/console/fragments/overview";
 }
 
 async function load() {
@@ -44,7 +47,32 @@ async function load() {
   }
   view.innerHTML = await response.text();  // server-rendered, every value escaped there
   view.querySelectorAll("figure.chart").forEach(setUpChart);
+  view.querySelectorAll("select.usage-tenant").forEach((select) => select.addEventListener("change", () => {
+    const query = new URLSearchParams({ days: select.dataset.days });
+    if (select.value) query.set("key", select.value);
+    location.hash = "#/usage?" + query;
+  }));
+  view.querySelectorAll("a[data-csv]").forEach((link) => link.addEventListener("click", downloadCsv));
   document.body.dataset.loaded = route();
+}
+
+// The CSV routes want the key as a header, which a plain link cannot send: fetch the file, hand it over as a blob.
+async function downloadCsv(event) {
+  event.preventDefault();
+  const link = event.currentTarget;
+  const response = await fetch(link.href, { headers: { "X-API-Key": apiKey() }, cache: "no-store" });
+  if (!response.ok) {
+    let message = response.statusText;
+    try { message = (await response.json()).error || message; } catch (e) { /* not JSON */ }
+    link.parentElement.append(Object.assign(document.createElement("span"), { className: "error", textContent: " " + message }));
+    return;
+  }
+  const url = URL.createObjectURL(await response.blob());
+  const save = Object.assign(document.createElement("a"), { href: url, download: link.dataset.csv });
+  document.body.append(save);
+  save.click();
+  save.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10000);
 }
 
 function setUpChart(figure) {
