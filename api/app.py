@@ -26,8 +26,9 @@ from api.finite_json import FiniteJSONResponse
 from api.hub import FutureHub
 from api.key_share import KeyShare
 from api.openai import routes as openai_routes
+from api.quotas import QuotaGate
 from api.ratelimit import RateLimiter
-from api.routes import downloads, exports, futures, rest, sampling, session, tokenizer, training, twinkle
+from api.routes import downloads, exports, futures, rest, sampling, session, tokenizer, training, twinkle, usage
 from api.store import Store
 from twinkle.auth import KeyChecker
 from twinkle.catalog import Catalog
@@ -75,12 +76,14 @@ def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30
     server = config.server_app()
     session_ttl = int(server.args.server_config.expiration_timeout) if server else 86400
     celery = make_celery(broker_url, events=config.flower.enabled)
-    store = Store(r, keys, celery, future_ttl=config.storage.future_ttl_seconds, session_ttl=session_ttl)
-    auth = KeyChecker(set(config.auth.api_keys), config.auth.keys_file, admin_hashes=set(config.auth.admin_keys))
     catalog = Catalog(config)
+    store = Store(r, keys, celery, future_ttl=config.storage.future_ttl_seconds, session_ttl=session_ttl,
+                  backlog_windows=catalog.backlog_windows)
+    auth = KeyChecker(set(config.auth.api_keys), config.auth.keys_file, admin_hashes=set(config.auth.admin_keys),
+                      tenancy=config.tenancy)
     return ApiContext(config=config, store=store, hub=FutureHub(r, keys), catalog=catalog, keys=keys, auth=auth,
                       checkpoints=CheckpointStore(config.storage.checkpoint_dir),
-                      limiter=RateLimiter.from_config(r, keys, config, catalog),
+                      limiter=RateLimiter.from_config(r, keys, config, catalog), quotas=QuotaGate(r, keys),
                       writes=CheckpointWrites(r, keys, per_key=config.storage.checkpoint_writes_per_key,
                                               future_ttl=config.storage.future_ttl_seconds),
                       export_store=ExportStore.from_storage(config.storage),
@@ -112,7 +115,7 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
     app.state.ctx = ctx
     errors.install(app)
     prefix = api_prefix(config)
-    for module in (session, training, sampling, futures, rest, exports, downloads, tokenizer, twinkle):
+    for module in (session, training, sampling, futures, rest, exports, downloads, tokenizer, twinkle, usage):
         app.include_router(module.router, prefix=prefix)
     app.include_router(openai_routes.router)  # /v1/...: where OpenAI clients look, whatever the prefix
     app.include_router(console_routes.router)  # /console

@@ -18,12 +18,14 @@ from celery import Celery
 
 from api.lost_futures import LostFutures
 from twinkle import blobs
+from twinkle.backlog import ADMIT, MIN_SHARE, BacklogKeys
 from twinkle.celery_app import task_name
 from twinkle.errors import AdapterGone, BrokerUnavailable, Expired, LimitExceeded, NotFound
 from twinkle.futures import FutureRecord, FutureStatus, new_request_id, request_id_created_at
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord, SamplingSessionRecord, SessionRecord
 from twinkle.telemetry import submit_trace
+from twinkle.tenancy import DEFAULT_POLICY, TenantPolicy, combined_limit, training_runs_exceeded
 
 BROKER_IDENTITY_MAX_AGE = 2.0  # seconds between run_id checks
 
@@ -41,7 +43,7 @@ def broker_start_time(info: dict[str, Any]) -> float:
 
 class Store:
     def __init__(self, r: aioredis.Redis, keys: Keys, celery: Celery, *, future_ttl: int,
-                 session_ttl: int) -> None:
+                 session_ttl: int, backlog_windows: dict[str, int] | None = None) -> None:
         self.r = r
         self.keys = keys
         self.celery = celery
@@ -53,6 +55,9 @@ class Store:
         self._identity_refresh: asyncio.Future[None] | None = None
         self.lost = LostFutures(r, keys)
         self._submit_script = r.register_script(_SUBMIT)
+        self.backlog = BacklogKeys(keys)
+        self.backlog_windows = backlog_windows or {}  # queues whose keys' ops beyond their share wait parked
+        self._admit_script = r.register_script(ADMIT)
 
     async def refresh_broker_identity(self) -> None:
         info = await self.r.info("server")
@@ -71,19 +76,22 @@ class Store:
     # -- futures -------------------------------------------------------------------------------
 
     async def submit(self, *, op: str, owner: str, model_id: str, queue: str, payload: Any,
-                     seq_id: int | None = None, dedupe_scope: str | None = None, request_id: str = "") -> str:
+                     seq_id: int | None = None, dedupe_scope: str | None = None, request_id: str = "",
+                     weight: float = 1.0) -> str:
         """Store the payload and the future record, then publish.
 
         A retried submit with the same (scope, seq_id), the scope being the model unless given, gets
         the first submit's request id back and runs once. `request_id` is one from `new_request_id`
         that the caller needed before submitting (to reserve a checkpoint write); by default a new one.
+        `weight` is the owner's fair-share weight (its tier's or its key's, twinkle.tenancy), kept on the record
+        for the pool's scheduler.
         """
         request_id = request_id or new_request_id()
         scope = dedupe_scope or model_id
         dedupe_key = self.keys.dedupe(scope, seq_id) if seq_id is not None and scope else ""
         record = FutureRecord(request_id=request_id, op=op, owner=owner, model_id=model_id, queue=queue,
                               seq_id=-1 if seq_id is None else seq_id, created_at=time.time(),
-                              broker_run_id=self.broker_run_id,
+                              broker_run_id=self.broker_run_id, weight=weight,
                               trace=submit_trace(request_id, op, model_id, queue, scope))
         fields = [str(x) for kv in record.to_hash().items() for x in kv]
         winner = await self._submit_script(
@@ -94,15 +102,27 @@ class Store:
         winner = winner.decode() if isinstance(winner, bytes) else str(winner)
         if winner != request_id:
             return winner  # a retried submit: the first one's future, run once
+        if not await self._admit(request_id, op, owner, model_id, queue):
+            return request_id  # parked in its key's backlog: its pool sends it when the key's earlier ops end
         try:
             await asyncio.to_thread(self.celery.send_task, task_name(op), kwargs={
                 "request_id": request_id, "model_id": model_id}, queue=queue, task_id=request_id)
         except Exception as exc:
             await self.r.delete(self.keys.future(request_id), self.keys.blob_in(request_id))
+            await self.r.zrem(self.backlog.sent(queue, owner), request_id)
             if seq_id is not None and scope:
                 await self.r.delete(self.keys.dedupe(scope, seq_id))
             raise BrokerUnavailable("The job queue is unreachable.", hint="Retry in a few seconds.") from exc
         return request_id
+
+    async def _admit(self, request_id: str, op: str, owner: str, model_id: str, queue: str) -> bool:
+        """Whether the op goes to the broker queue now, or waits in its key's backlog (twinkle.backlog)."""
+        window = self.backlog_windows.get(queue, 0)
+        if not window:
+            return True
+        sent = await self._admit_script(keys=self.backlog.of(queue, owner), args=[
+            owner, request_id, op, model_id, window, MIN_SHARE, self.future_ttl, time.time()])
+        return bool(int(sent))
 
     async def future(self, request_id: str, owner: str) -> FutureRecord:
         raw = await self.r.hgetall(self.keys.future(request_id))
@@ -176,12 +196,17 @@ class Store:
 
     # -- models (training runs) ----------------------------------------------------------------
 
-    async def add_model(self, record: ModelRecord, *, limit: int) -> None:
-        """Register a model; `limit` > 0 caps active models per tenant, atomically across replicas."""
+    async def add_model(self, record: ModelRecord, *, limit: int, policy: TenantPolicy = DEFAULT_POLICY) -> None:
+        """Register a model. `limit` > 0 (the server's per-key model limit) and the tier's `max_training_runs`
+        > 0 cap active models per tenant, atomically across replicas; the smaller one wins. Reaching the
+        server's limit is LimitExceeded (429, retried by the SDK), the tier's QuotaExceeded (403)."""
         owner_models = self.keys.owner_models(record.owner)
-        if limit > 0:
-            added = await self.r.eval(_ADD_WITH_LIMIT, 1, owner_models, record.model_id, limit)
+        cap = combined_limit(limit, policy.max_training_runs)
+        if cap > 0:
+            added = await self.r.eval(_ADD_WITH_LIMIT, 1, owner_models, record.model_id, cap)
             if not added:
+                if cap == policy.max_training_runs:
+                    raise training_runs_exceeded(policy, max(cap, int(await self.r.scard(owner_models))))
                 raise LimitExceeded(f"This API key already has {limit} active models (the server's limit).",
                                     hint="Unload a model or let an idle one expire, then retry.")
         else:

@@ -195,7 +195,14 @@ def _yaml_scalar(value: Any) -> str:
         return "null"
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)
-    return json.dumps(value)
+    return json.dumps(value, default=_changed_fields)
+
+
+def _changed_fields(value: Any) -> Any:
+    """A section inside a default (tenancy's default tier): only what differs from the section's defaults."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_defaults=True)
+    raise TypeError(f"{type(value).__name__} has no JSON form")
 
 
 def _one_line(text: str | None) -> str:
