@@ -32,7 +32,7 @@ from twinkle.pool_exit import PoolExit
 from twinkle.server import startup, verbosity
 from twinkle.telemetry import op_span, setup_worker_telemetry
 from twinkle.usage import UsageLedger
-from workers import processor
+from workers import broker_link, processor
 from workers.factory import build_model_pool, build_sampler
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
 from workers.lifecycle import AdapterReaper
@@ -87,6 +87,7 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
         if adapters.snapshot_interval > 0:
             AdapterSnapshots(model_handlers, runtime.lock, adapters.snapshot_interval).start()
         info = backend.info
+        holder: Any = backend
     elif app.import_path == "sampler":
         sampler = build_sampler(args.model_id, args.sampler_type, max_loras=args.adapter_config.max_loras,
                                 engine_args=args.engine_args)
@@ -94,6 +95,7 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
             sampler, sampler_slots(args), r, fair=args.scheduling.policy == "fair").table(),
                               future_ttl=ttl, serialize=False, queue_timeout=queue_timeout(args))
         info = sampler.info
+        holder = sampler
     elif app.import_path == "processor":
         processor.warm_up()
         runtime = PoolRuntime(r, keys, queue, processor.handlers(), future_ttl=ttl, serialize=False)
@@ -108,8 +110,21 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
         runtime.ledger = UsageLedger(r, keys)
         runtime.usage_model = args.served_name
     runtime.announce(keys.pool_info(app.name), json.dumps(asdict(info)))
+    _announce_lora_modules(runtime, keys.pool_lora_modules(app.name), holder)
     log.info("pool %s: ready in %.1f s (%s)", queue, time.perf_counter() - started, info.model_name)
     return runtime
+
+
+def _announce_lora_modules(runtime: PoolRuntime, key: str, holder: Any) -> None:
+    """The linear layers of a transformers model held here, which imported adapters are checked against
+    (twinkle.adapter_import); torch is imported only for a pool that holds one."""
+    if getattr(holder, "shared", None) is None:
+        return
+    from twinkle.backends.hf.lora_modules import published_shapes
+
+    shapes = published_shapes(holder)
+    if shapes is not None:
+        runtime.announce(key, json.dumps(shapes))
 
 
 def queue_timeout(args: Any) -> float:
@@ -192,6 +207,7 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
         _exit_start_failed(queue_for(app, replica), error)
     celery = make_celery(url, events=config.flower.enabled)
     celery.conf.worker_consumer = "workers.broker_link:QuickReconnectConsumer"
+    broker_link.tolerate_lost_acks()
     for op in Op:
         _register(celery, runtime, op)
     runtime.send = lambda parked: celery.send_task(task_name(parked.op), kwargs={

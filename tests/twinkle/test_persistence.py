@@ -5,9 +5,11 @@ from types import SimpleNamespace
 
 import redis
 
+from twinkle.futures import FutureRecord
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
 from twinkle.state.persistence import clear_persistence, restore_snapshot, save_snapshot
+from twinkle.usage import UsageLedger
 
 URL = "redis://127.0.0.1:6379/13"
 
@@ -46,3 +48,17 @@ def test_clear_persistence_removes_exactly_twinkles_keys(tmp_path: Path) -> None
     assert r.keys() == [b"someone-else"]
     assert not (tmp_path / "state.json").exists()
     r.flushdb()
+
+
+def test_the_usage_ledger_survives_a_broker_restart_through_the_file_snapshot(tmp_path: Path) -> None:
+    r = redis.Redis.from_url(URL)
+    r.flushdb()
+    keys = Keys("pfx:")
+    rec = FutureRecord("r1", "forward_backward", "tenant", "s1:train:0", "model.models.0")
+    r.hset(keys.future(rec.request_id), mapping=rec.to_hash())
+    assert UsageLedger(r, keys).record(rec, "tiny", {"trained_tokens": 123, "pool_ms": 7})
+    save_snapshot(r, keys, tmp_path / "state.json")
+    r.flushdb()
+    restore_snapshot(r, tmp_path / "state.json")
+    assert UsageLedger(r, keys).totals("tenant", "total") == {"trained_tokens": 123, "pool_ms": 7}
+    assert UsageLedger(r, keys).totals("tenant", "day") == {"trained_tokens": 123, "pool_ms": 7}

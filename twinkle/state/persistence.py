@@ -1,7 +1,7 @@
 """Persistence of the durable part of Twinkle's state (ARCHITECTURE.md section 3).
 
-Durable: training runs (model records), their checkpoint index, each owner's list of runs, and
-sampling sessions. Futures, payloads, sessions and queues are transient by design.
+Durable: training runs (model records), their checkpoint index, each owner's list of runs, sampling
+sessions, and the usage ledger (twinkle/usage.py). Futures, payloads, sessions and queues are transient by design.
 
 - `memory`: kept in the broker's Redis only.
 - `file`: an atomic JSON snapshot at `persistence.file_path`, written every few seconds and at
@@ -20,7 +20,7 @@ import redis
 
 from twinkle.keys import Keys
 
-DURABLE_PATTERNS = ("model:*", "run:*", "owner:*:runs", "owner:*:sampling", "sampling:*")
+DURABLE_PATTERNS = ("model:*", "run:*", "owner:*:runs", "owner:*:sampling", "sampling:*", "usage:*")
 
 
 def state_url(config: Any, broker_url: str | None = None) -> str:
