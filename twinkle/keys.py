@@ -127,3 +127,7 @@ class Keys:
     def pool_info(self, app: str) -> str:
         """JSON ModelInfo a pool publishes once its model is loaded."""
         return f"{self.root}pool:{app}:info"
+
+    def pool_lora_modules(self, app: str) -> str:
+        """JSON of the linear layers (name -> [out, in]) a transformers pool's model has, for adapter imports."""
+        return f"{self.root}pool:{app}:lora_modules"
