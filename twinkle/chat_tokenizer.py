@@ -63,6 +63,51 @@ class ChatTokenizer:
         """One token as text (for logprob listings)."""
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes: its UTF-8 text, or for a token holding part of a character (which decodes to
+        U+FFFD alone) the raw bytes of its byte-level or `<0xNN>` piece."""
+        text = self.token_text(token_id)
+        if "\ufffd" in text and (raw := _raw_bytes(self.tokenizer.id_to_token(token_id))) is not None:
+            return raw
+        return text.encode()
+
+    def token_key(self, token_id: int) -> str:
+        """A token as OpenAI's legacy logprob listings name it: its text, or `bytes:\\xNN...` for a token that
+        is part of a character (so distinct partial tokens do not all read as U+FFFD)."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text or (raw := _raw_bytes(self.tokenizer.id_to_token(token_id))) is None:
+            return text
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, char -> byte (printable bytes stand for themselves, the rest are
+    shifted past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, shifted = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + shifted)
+            shifted += 1
+    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
+
+
+def _raw_bytes(piece: str | None) -> bytes | None:
+    """The bytes a vocabulary piece stands for: `<0xNN>` (SentencePiece byte fallback) or byte-level BPE."""
+    if piece is None:
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    alphabet = _byte_level_alphabet()
+    if all(char in alphabet for char in piece):
+        return bytes(alphabet[char] for char in piece)
+    return None
+
 
 @functools.cache
 def load_chat_tokenizer(model_dir: str) -> ChatTokenizer:

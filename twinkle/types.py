@@ -136,6 +136,9 @@ class SampleRequest:
     """One prompt to complete `num_samples` times.
 
     `adapter_path` is a server-side directory holding sampler weights (None: the base model).
+    Every logprob a sampler reports (sampled tokens, prompt tokens, top-k alternatives) is the raw model's
+    log-softmax at temperature 1, whatever temperature / top_k / top_p the tokens were drawn with: the
+    number `forward` computes for the same tokens on the same weights.
     """
 
     prompt: list[Chunk]
@@ -143,6 +146,8 @@ class SampleRequest:
     num_samples: int = 1
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0  # the k most likely tokens at each sampled position
+    prompt_logprobs_last_n: int | None = None  # score only the prompt's last n positions (None: all)
     adapter_path: str | None = None
     stream_channel: str | None = None  # set by the API only: a sampler pool publishes tokens there as they come
 
@@ -152,6 +157,7 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+    topk_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when topk_sample_logprobs > 0
 
 
 @dataclass
@@ -160,6 +166,20 @@ class SampleOutput:
     prompt_logprobs: list[float | None] | None = None  # first position is None
     topk_prompt_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_length: int = 0  # tokens in the prompt, set by the pool that served it
+
+
+def keep_last_prompt_positions(output: SampleOutput, last_n: int | None) -> SampleOutput:
+    """Blank the prompt (top-k) logprobs before the last `last_n` positions (`prompt_logprobs_last_n`)."""
+    if last_n is None:
+        return output
+    if output.prompt_logprobs is not None:
+        cut = max(0, len(output.prompt_logprobs) - last_n)
+        blank: list[float | None] = [None] * cut
+        output.prompt_logprobs = blank + output.prompt_logprobs[cut:]
+    if output.topk_prompt_logprobs is not None:
+        cut = max(0, len(output.topk_prompt_logprobs) - last_n)
+        output.topk_prompt_logprobs = [[] for _ in range(cut)] + output.topk_prompt_logprobs[cut:]
+    return output
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ exactly like `/asample` (a future underneath, so continuous batching applies) an
 answers with server-sent events: the role at once, keep-alive comments while the op waits, and the text as
 the sampler pool publishes its tokens (api/openai/token_feed.py); samplers that cannot stream send it whole
 at the end, as per-token deltas.
+
+Logprobs (chat `logprobs` / `top_logprobs`, completions `logprobs` and `echo`) are the sampler's: the raw
+model's log-softmax at temperature 1, the numbers a training `forward` computes for the same tokens. Every
+request parameter is honoured or refused by name (api/openai/wire.py).
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
@@ -39,6 +44,8 @@ from twinkle.types import SampleOutput, SampleRequest, SamplingParams, chunks_fr
 
 DEFAULT_CHAT_MAX_TOKENS = 512  # OpenAI's "up to the context" would make a CPU model talk for minutes
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MODELS_PAGE = 100  # /v1/models entries per page unless `limit` says otherwise
+MODELS_PAGE_MAX = 1000
 MAX_PROMPTS = 64
 KEEPALIVE_SECONDS = 10.0
 
@@ -105,26 +112,42 @@ async def resolve(ctx: ApiContext, tenant: str, model: str) -> Target:
     return Target(model, queue, adapter_dir, tokenizer, served.max_length or info.get("max_context_length"))
 
 
+def check_parameters(body: wire.SamplingFields) -> None:
+    """400 naming every parameter Twinkle cannot honour, before anything is resolved or submitted."""
+    refused = body.refused()
+    if refused:
+        raise InvalidRequest(f"Twinkle does not support these parameters: {'; '.join(refused)}.",
+                             hint="Leave them unset (or null), or change them as said.")
+
+
 def _params(body: wire.SamplingFields, max_tokens: int, tokenizer: ChatTokenizer) -> SamplingParams:
-    unsupported = body.unsupported()
-    if unsupported:
-        raise InvalidRequest(f"Twinkle does not support {', '.join(unsupported)}.", hint="Leave them unset.")
     stop_ids = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    return SamplingParams(max_tokens=max(1, max_tokens), temperature=1.0 if body.temperature is None
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None
                           else body.temperature, top_p=body.top_p or 1.0,
                           top_k=-1 if body.top_k in (None, 0) else int(body.top_k), seed=body.seed,
                           stop_token_ids=stop_ids, stop_strings=body.stop_strings())
 
 
+@dataclass(frozen=True)
+class Logprobs:
+    """What logprobs a sample op returns: the prompt's (with their top-k) and the sampled tokens' top-k."""
+
+    prompt: bool = False
+    prompt_top: int = 0
+    sampled_top: int = 0
+
+
 async def submit(ctx: ApiContext, tenant: str, policy: TenantPolicy, target: Target, prompt: list[int],
-                 params: SamplingParams, n: int, *, prompt_logprobs: int = 0, feed: TokenFeed | None = None) -> str:
+                 params: SamplingParams, n: int, *, logprobs: Logprobs = Logprobs(),
+                 feed: TokenFeed | None = None) -> str:
     """One sample op, like `/asample`'s; the caller checked the key's quotas once for all its prompts."""
     if target.context and len(prompt) + params.max_tokens > target.context:
         raise InvalidRequest(f"The prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context of {target.context} tokens.",
                              hint="Shorten the prompt or lower max_tokens.")
     req = SampleRequest(prompt=chunks_from_tokens(prompt), params=params, num_samples=n,
-                        prompt_logprobs=prompt_logprobs > 0, topk_prompt_logprobs=prompt_logprobs,
+                        prompt_logprobs=logprobs.prompt, topk_prompt_logprobs=logprobs.prompt_top,
+                        topk_sample_logprobs=logprobs.sampled_top,
                         adapter_path=target.adapter_dir, stream_channel=feed.channel if feed else None)
     await ctx.limiter.admit(tenant, target.queue, input_tokens=len(prompt))
     return await ctx.store.submit(op=Op.SAMPLE, owner=tenant, model_id="", queue=target.queue, payload=req,
@@ -157,6 +180,11 @@ class Choice:
     finish_reason: str
     tokens: list[int]
     logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None = None  # each token's top-k alternatives, when asked for
+
+    def mean_logprob(self) -> float:
+        """Log probability per token, by which best_of ranks completions (0 for none)."""
+        return sum(self.logprobs) / len(self.logprobs) if self.logprobs else 0.0
 
 
 def choices_of(out: SampleOutput, tokenizer: ChatTokenizer, stops: Sequence[str], keep_tokens: bool = True
@@ -166,7 +194,8 @@ def choices_of(out: SampleOutput, tokenizer: ChatTokenizer, stops: Sequence[str]
         tokens = list(seq.tokens) if keep_tokens else []
         text, stopped = cut_at_stop(tokenizer.decode(tokens), stops)
         reason = "stop" if stopped or seq.stop_reason == "stop" else "length"
-        choices.append(Choice(text, reason, tokens, list(seq.logprobs)[: len(tokens)]))
+        top = list(seq.topk_logprobs)[: len(tokens)] if seq.topk_logprobs is not None else None
+        choices.append(Choice(text, reason, tokens, list(seq.logprobs)[: len(tokens)], top))
     return choices
 
 
@@ -176,13 +205,13 @@ def choices_of(out: SampleOutput, tokenizer: ChatTokenizer, stops: Sequence[str]
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(body: wire.ChatCompletionBody, ctx: Ctx, tenant: Tenant,
                            policy: Policy) -> Response | dict[str, Any]:
+    check_parameters(body)
     target = await resolve(ctx, tenant, body.model)
     await ctx.quotas.check(tenant, policy, Op.SAMPLE)
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
     prompt_text = target.tokenizer.render(messages, add_generation_prompt=True)
     prompt = target.tokenizer.encode(prompt_text, add_special_tokens=False)
-    max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    params = _params(body, max_tokens, target.tokenizer)
+    params = _params(body, body.max_new_tokens(DEFAULT_CHAT_MAX_TOKENS), target.tokenizer)
     if body.stream:
         feed = await TokenFeed.open(ctx)
         try:
@@ -192,7 +221,8 @@ async def chat_completions(body: wire.ChatCompletionBody, ctx: Ctx, tenant: Tena
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _sse(_chat_stream(ctx, tenant, request_id, feed, target, body, len(prompt), include_usage))
-    request_id = await submit(ctx, tenant, policy, target, prompt, params, body.n)
+    request_id = await submit(ctx, tenant, policy, target, prompt, params, body.n,
+                              logprobs=Logprobs(sampled_top=(body.top_logprobs or 0) if body.logprobs else 0))
     ident = f"chatcmpl-{request_id}"
     out = await outcome(ctx, tenant, request_id)
     assert out is not None
@@ -204,11 +234,12 @@ async def chat_completions(body: wire.ChatCompletionBody, ctx: Ctx, tenant: Tena
 
 
 def _chat_logprobs(choice: Choice, tokenizer: ChatTokenizer) -> dict[str, Any]:
-    entries = []
-    for token, logprob in zip(choice.tokens, choice.logprobs, strict=False):
-        text = tokenizer.token_text(token)
-        entries.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
-    return {"content": entries}
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return {"token": tokenizer.token_text(token), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token))}
+
+    tops = choice.top or [[] for _ in choice.tokens]
+    return {"content": [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+                        for token, logprob, top in zip(choice.tokens, choice.logprobs, tops, strict=False)]}
 
 
 async def _chat_stream(ctx: ApiContext, tenant: str, request_id: str, feed: TokenFeed, target: Target,
@@ -270,17 +301,20 @@ def _prompts(body: wire.CompletionBody, tokenizer: ChatTokenizer) -> list[list[i
 @router.post("/completions", response_model=None)
 async def completions(body: wire.CompletionBody, ctx: Ctx, tenant: Tenant,
                       policy: Policy) -> Response | dict[str, Any]:
+    check_parameters(body)
     target = await resolve(ctx, tenant, body.model)
     await ctx.quotas.check(tenant, policy, Op.SAMPLE)
     prompts = _prompts(body, target.tokenizer)
     requested = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = _params(body, requested, target.tokenizer)
     # echo + logprobs is how evaluation harnesses score a text: the prompt's own logprobs (and top-k for greedy)
-    prompt_k = max(1, body.logprobs or 0) if body.echo and body.logprobs is not None else 0
+    scoring = body.echo and body.logprobs is not None
+    wanted = Logprobs(prompt=scoring, prompt_top=(body.logprobs or 0) if scoring else 0,
+                      sampled_top=body.logprobs or 0)
     # one prompt streams its tokens as they come; several arrive each whole (one subscription per answer)
     feed = await TokenFeed.open(ctx) if body.stream and len(prompts) == 1 else None
     try:
-        ids = [await submit(ctx, tenant, policy, target, p, params, body.n, prompt_logprobs=prompt_k, feed=feed)
+        ids = [await submit(ctx, tenant, policy, target, p, params, body.samples(), logprobs=wanted, feed=feed)
                for p in prompts]
     except BaseException:
         if feed is not None:
@@ -296,8 +330,11 @@ async def completions(body: wire.CompletionBody, ctx: Ctx, tenant: Tenant,
     completion_tokens = 0
     for prompt, out in zip(prompts, outs, strict=True):
         assert out is not None
-        for c in choices_of(out, target.tokenizer, params.stop_strings, keep_tokens=requested > 0):
-            completion_tokens += len(c.tokens)
+        generated = choices_of(out, target.tokenizer, params.stop_strings, keep_tokens=requested > 0)
+        completion_tokens += sum(len(c.tokens) for c in generated)  # best_of: every generated token counts
+        if body.samples() > body.n:  # best_of: the n with the highest log probability per token, best first
+            generated = sorted(generated, key=lambda c: c.mean_logprob(), reverse=True)[: body.n]
+        for c in generated:
             text = (target.tokenizer.decode(prompt) if body.echo else "") + c.text
             logprobs = (_completion_logprobs(c, prompt, out, target.tokenizer, body)
                         if body.logprobs is not None else None)
@@ -309,24 +346,34 @@ async def completions(body: wire.CompletionBody, ctx: Ctx, tenant: Tenant,
 
 def _completion_logprobs(choice: Choice, prompt: list[int], out: SampleOutput, tokenizer: ChatTokenizer,
                          body: wire.CompletionBody) -> dict[str, Any]:
+    """OpenAI's legacy logprobs: per token its text, logprob and a {text: logprob} of the `logprobs` most likely
+    tokens plus the token itself (so up to logprobs + 1 entries, as OpenAI and vLLM return them)."""
+    def alternatives(token: int, logprob: float, top: Sequence[tuple[int, float]]) -> dict[str, float]:
+        listed = {tokenizer.token_key(t): lp for t, lp in top}
+        listed.setdefault(tokenizer.token_key(token), logprob)
+        return listed
+
     tokens: list[int] = []
     logprobs: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     if body.echo:
         tokens += prompt
-        logprobs += list(out.prompt_logprobs or [None] * len(prompt))[: len(prompt)]
-        for i, top in enumerate(list(out.topk_prompt_logprobs or [])[: len(prompt)]):
-            tops.append({tokenizer.token_text(t): lp for t, lp in top} if i and top else None)
-        tops += [None] * (len(prompt) - len(tops))
+        prompt_logprobs = list(out.prompt_logprobs or [None] * len(prompt))[: len(prompt)]
+        prompt_tops = list(out.topk_prompt_logprobs or [])[: len(prompt)]
+        prompt_tops += [[]] * (len(prompt) - len(prompt_tops))
+        logprobs += prompt_logprobs
+        tops += [None if lp is None else alternatives(token, lp, top)
+                 for token, lp, top in zip(prompt, prompt_logprobs, prompt_tops, strict=True)]
     tokens += choice.tokens
     logprobs += choice.logprobs
-    tops += [{tokenizer.token_text(t): lp} for t, lp in zip(choice.tokens, choice.logprobs, strict=False)]
-    texts = [tokenizer.token_text(t) for t in tokens]
+    sampled_tops = choice.top or [[] for _ in choice.tokens]
+    tops += [alternatives(t, lp, top) for t, lp, top in zip(choice.tokens, choice.logprobs, sampled_tops,
+                                                            strict=False)]
     offsets, at = [], 0
-    for text in texts:
+    for token in tokens:
         offsets.append(at)
-        at += len(text)
-    return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops if body.logprobs else None,
+        at += len(tokenizer.token_text(token))
+    return {"tokens": [tokenizer.token_key(t) for t in tokens], "token_logprobs": logprobs, "top_logprobs": tops,
             "text_offset": offsets}
 
 
@@ -371,14 +418,46 @@ async def _completion_stream(ctx: ApiContext, tenant: str, ids: list[str], feed:
 
 
 @router.get("/models")
-async def models(ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
-    """Served base models, then the caller's own sampler checkpoints (each usable as `model`)."""
-    data = [wire.model_entry(name, "twinkle") for name in sorted(ctx.catalog.models)]
-    for run in await ctx.store.list_runs(tenant):
-        for entry in await ctx.store.checkpoints(run.model_id):
-            if entry.get("checkpoint_type") == "sampler":
-                data.append(wire.model_entry(entry["tinker_path"], tenant))
-    return {"object": "list", "data": data}
+async def models(request: Request, ctx: Ctx, tenant: Tenant,
+                 limit: int = Query(default=MODELS_PAGE, ge=1, le=MODELS_PAGE_MAX),
+                 after: str | None = Query(default=None, max_length=1000),
+                 run: str | None = Query(default=None, max_length=200)) -> dict[str, Any]:
+    """Served base models (by name), then the caller's own sampler checkpoints, newest first (each usable as
+    `model`), `limit` at a time. `after` is the last id of the previous page (`last_id`), `has_more` says
+    whether another page follows; `run` keeps only that training run's checkpoints (and no base models)."""
+    unknown = sorted(set(request.query_params) - {"limit", "after", "run"})
+    if unknown:
+        raise InvalidRequest(f"/v1/models does not take {', '.join(unknown)}.", hint="It takes limit, after and run.")
+    if run is not None:
+        await ctx.store.model(run, tenant, active=False)  # 404 unless the caller's run
+        runs = [run]
+        data = []
+    else:
+        runs = [record.model_id for record in await ctx.store.list_runs(tenant)]
+        data = [wire.model_entry(name, "twinkle") for name in sorted(ctx.catalog.models)]
+    checkpoints = [(_created(entry.get("time")), str(entry["tinker_path"]))
+                   for model_id in runs for entry in await ctx.store.checkpoints(model_id)
+                   if entry.get("checkpoint_type") == "sampler"]
+    data += [wire.model_entry(path, tenant, created) for created, path in sorted(checkpoints, reverse=True)]
+    start = 0
+    if after is not None:
+        start = next((index + 1 for index, model in enumerate(data) if model["id"] == after), -1)
+        if start < 0:
+            raise InvalidRequest(f"after={after!r} names no model in this list.",
+                                 hint="Pass the last_id of the previous page.")
+    page = data[start : start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(data)}
+
+
+def _created(when: Any) -> float:
+    """A checkpoint's time (ISO 8601 in the index, or seconds) as seconds since the epoch; 0 when unknown."""
+    if isinstance(when, int | float):
+        return float(when)
+    try:
+        return datetime.fromisoformat(str(when)).timestamp()
+    except ValueError:
+        return 0.0
 
 
 # -- streaming helpers ---------------------------------------------------------------------------------------

@@ -113,7 +113,8 @@ def forward_output_json(out: ForwardBackwardOutput) -> dict[str, Any]:
 def sample_output_json(out: SampleOutput) -> dict[str, Any]:
     return {
         "type": "sample",
-        "sequences": [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}
+        "sequences": [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason,
+                       **({"topk_logprobs": s.topk_logprobs} if s.topk_logprobs is not None else {})}
                       for s in out.sequences],
         "prompt_logprobs": out.prompt_logprobs,
         "topk_prompt_logprobs": out.topk_prompt_logprobs,

@@ -78,9 +78,17 @@ async def asample(body: SampleBody, ctx: Ctx, tenant: Tenant, policy: Policy) ->
         raise InvalidRequest(f"The prompt ({input_length(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
                              f"exceeds the model's context of {limit} tokens.", hint="Shorten the prompt or "
                              "lower max_tokens.")
+    last_n = body.prompt_logprobs_last_n
+    if last_n is not None and not (body.prompt_logprobs or body.topk_prompt_logprobs > 0):
+        raise InvalidRequest("prompt_logprobs_last_n needs prompt_logprobs (or topk_prompt_logprobs).")
+    if last_n is not None and not 1 <= last_n <= input_length(prompt) - 1:
+        raise InvalidRequest(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 "
+                             f"({input_length(prompt) - 1}), got {last_n}.")
     req = SampleRequest(prompt=prompt, params=params, num_samples=body.num_samples,
                         prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,
-                        topk_prompt_logprobs=body.topk_prompt_logprobs, adapter_path=adapter_dir)
+                        topk_prompt_logprobs=body.topk_prompt_logprobs,
+                        topk_sample_logprobs=body.topk_sample_logprobs, prompt_logprobs_last_n=last_n,
+                        adapter_path=adapter_dir)
     await ctx.quotas.check(tenant, policy, Op.SAMPLE)
     await ctx.limiter.admit(tenant, queue, input_tokens=input_length(prompt))
     rid = await ctx.store.submit(op=Op.SAMPLE, owner=tenant, model_id="", queue=queue, payload=req,

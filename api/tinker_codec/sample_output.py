@@ -31,17 +31,23 @@ def encode_sample_output(out: SampleOutput, num_prompt_tokens: int) -> bytes:
             if len(sequence.logprobs) != len(sequence.tokens):
                 raise ValueError(f"{where} has {len(sequence.logprobs)} logprobs for {len(sequence.tokens)} tokens.")
             wire.logprobs = np.asarray(sequence.logprobs, dtype="<f4").tobytes()
+        if sequence.topk_logprobs is not None:
+            if len(sequence.topk_logprobs) != len(sequence.tokens):
+                raise ValueError(f"{where} has {len(sequence.topk_logprobs)} top-k rows for "
+                                 f"{len(sequence.tokens)} tokens.")
+            _fill_topk(wire.topk_sampled_logprobs, sequence.topk_logprobs, f"{where}.topk_logprobs")
     if out.prompt_logprobs is not None:
         _check_prompt_length(len(out.prompt_logprobs), num_prompt_tokens, "prompt_logprobs")
         values = [np.nan if value is None else value for value in out.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
     if out.topk_prompt_logprobs is not None:
         _check_prompt_length(len(out.topk_prompt_logprobs), num_prompt_tokens, "topk_prompt_logprobs")
-        _fill_topk(msg.topk_prompt_logprobs, out.topk_prompt_logprobs)
+        _fill_topk(msg.topk_prompt_logprobs, out.topk_prompt_logprobs, "topk_prompt_logprobs")
     return bytes(msg.SerializeToString())
 
 
-def _fill_topk(wire: Any, rows: list[list[tuple[int, float]]]) -> None:
+def _fill_topk(wire: Any, rows: list[list[tuple[int, float]]], where: str) -> None:
+    """`length x k` matrices, padded with (TOPK_PAD_TOKEN, TOPK_PAD_LOGPROB); the field is set even when empty."""
     k = max((len(row) for row in rows if row), default=0)
     token_ids = np.full((len(rows), k), TOPK_PAD_TOKEN, dtype=np.int64)
     logprobs = np.full((len(rows), k), TOPK_PAD_LOGPROB, dtype="<f4")
@@ -51,7 +57,7 @@ def _fill_topk(wire: Any, rows: list[list[tuple[int, float]]]) -> None:
             logprobs[position, rank] = logprob
     wire.k = k
     wire.length = len(rows)
-    wire.token_ids = _int32_bytes(token_ids.reshape(-1), "topk_prompt_logprobs token ids")
+    wire.token_ids = _int32_bytes(token_ids.reshape(-1), f"{where} token ids")
     wire.logprobs = logprobs.tobytes()
 
 

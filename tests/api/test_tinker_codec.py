@@ -669,6 +669,17 @@ def test_the_sdk_reads_sequences_prompt_logprobs_and_padded_topk_back() -> None:
 def test_a_sample_without_prompt_logprobs_leaves_them_unset() -> None:
     result = sdk_reads_sample(encode_sample_output(SampleOutput([SampledSequence([4], [-1.0], "stop")]), 5))
     assert result.prompt_logprobs is None and result.topk_prompt_logprobs is None
+    assert result.sequences[0].topk_logprobs is None
+
+
+def test_the_sdk_reads_each_sampled_tokens_top_k_back() -> None:
+    top = [[(7, -0.5), (3, -1.25)], [(8, -1.5)]]
+    out = SampleOutput([SampledSequence([7, 8], [-0.5, -1.5], "length", topk_logprobs=top)])
+
+    (sequence,) = sdk_reads_sample(encode_sample_output(out, num_prompt_tokens=2)).sequences
+
+    assert sequence.topk_logprobs == top
+    assert sequence.topk_logprobs_np is not None and sequence.topk_logprobs_np.token_ids.shape == (2, 2)
 
 
 @pytest.mark.parametrize(
@@ -678,6 +689,7 @@ def test_a_sample_without_prompt_logprobs_leaves_them_unset() -> None:
         (SampleOutput([], topk_prompt_logprobs=[[(1, -1.0)]]), "prompt has 3"),
         (SampleOutput([SampledSequence([1], [-1.0], "eos")]), "stop_reason"),  # type: ignore[arg-type]
         (SampleOutput([SampledSequence([1, 2], [-1.0], "stop")]), "1 logprobs for 2 tokens"),
+        (SampleOutput([SampledSequence([1, 2], [-1.0, -2.0], "stop", [[(1, -1.0)]])]), "1 top-k rows for 2 tokens"),
         (SampleOutput([SampledSequence([2**31], [-1.0], "stop")]), "int32"),
     ],
 )

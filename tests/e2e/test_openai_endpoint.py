@@ -3,6 +3,10 @@ text completions, streaming, and another tenant's adapter (404). Mock and transf
 
 from __future__ import annotations
 
+from typing import Any
+
+import httpx
+import numpy as np
 import openai
 import pytest
 import tinker
@@ -102,7 +106,80 @@ def test_completions_stream_text_for_several_prompts(server: LaunchedServer, ada
     assert finished == {0, 1}
 
 
-def test_unsupported_options_are_refused_by_name(server: LaunchedServer) -> None:
+@pytest.mark.parametrize(("endpoint", "options", "named"), [
+    ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
+    ("chat", {"logit_bias": {"5": 3.0}}, "logit_bias"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ("chat", {"extra_body": {"min_p": 0.1}}, "min_p"),  # a parameter Twinkle does not know
+    ("completions", {"suffix": "the end"}, "suffix"),
+    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"n": 2, "best_of": 1}, "best_of"),
+    ("completions", {"logprobs": 1, "stream": True}, "logprobs"),
+])
+def test_unsupported_options_are_refused_by_name(server: LaunchedServer, endpoint: str, options: dict[str, Any],
+                                                 named: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client(server).chat.completions.create(model="tiny-qwen", messages=MESSAGES, presence_penalty=1.0)  # type: ignore[arg-type]
-    assert "presence_penalty" in caught.value.message
+        if endpoint == "chat":
+            client(server).chat.completions.create(model="tiny-qwen", messages=MESSAGES, max_tokens=2,  # type: ignore[arg-type]
+                                                   **options)
+        else:
+            client(server).completions.create(model="tiny-qwen", prompt="hi", max_tokens=2, **options)
+    assert named in caught.value.message
+
+
+def test_completion_logprobs_list_the_top_k_and_the_token_itself(server: LaunchedServer, adapter_path: str) -> None:
+    reply = client(server).completions.create(model=adapter_path, prompt="one two", max_tokens=4, temperature=0,
+                                              logprobs=3)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.top_logprobs and logprobs.token_logprobs
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert 3 <= len(top) <= 4 and top[token] == pytest.approx(logprob)
+        assert max(top.values()) == pytest.approx(logprob)  # greedy: the token is the most likely one
+
+
+def test_chat_logprobs_carry_the_requested_top_logprobs(server: LaunchedServer, adapter_path: str) -> None:
+    reply = client(server).chat.completions.create(model=adapter_path, messages=MESSAGES, max_tokens=4,  # type: ignore[arg-type]
+                                                   temperature=0.8, seed=3, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and reply.usage is not None and len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_a_seed_repeats_a_completion_and_best_of_returns_the_n_best(server: LaunchedServer,
+                                                                   adapter_path: str) -> None:
+    c = client(server)
+    first, again = (c.completions.create(model=adapter_path, prompt="one two", max_tokens=6, temperature=1.0, seed=11,
+                                         n=2) for _ in range(2))
+    assert [ch.text for ch in first.choices] == [ch.text for ch in again.choices]
+    best = c.completions.create(model=adapter_path, prompt="one two", max_tokens=4, temperature=1.0, seed=5, n=2,
+                                best_of=4, logprobs=0)
+    assert len(best.choices) == 2 and best.usage is not None
+    means = [np.mean(ch.logprobs.token_logprobs) for ch in best.choices]  # type: ignore[union-attr, arg-type]
+    assert means == sorted(means, reverse=True)
+    everything = c.completions.create(model=adapter_path, prompt="one two", max_tokens=4, temperature=1.0, seed=5,
+                                      n=4, logprobs=0)
+    assert max(np.mean(ch.logprobs.token_logprobs) for ch in everything.choices) == pytest.approx(means[0])  # type: ignore[union-attr, arg-type]
+    assert best.usage.completion_tokens == everything.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_the_model_list_pages_checkpoints_newest_first_and_filters_by_run(server: LaunchedServer) -> None:
+    key = "tml-openai-pages"
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=key)
+    runs = [service.create_lora_training_client(base_model="tiny-qwen", rank=8) for _ in range(2)]
+    paths = [training.result().save_weights_for_sampler(f"page-{i}").result().path
+             for i in range(3) for training in runs]
+    with httpx.Client(base_url=server.base_url + "/v1", headers={"Authorization": f"Bearer {key}"}) as http:
+        first = http.get("/models", params={"limit": 3}).json()
+        assert [m["id"] for m in first["data"]] == ["tiny-qwen", *paths[::-1][:2]] and first["has_more"]
+        rest = http.get("/models", params={"limit": 100, "after": first["last_id"]}).json()
+        assert [m["id"] for m in rest["data"]] == paths[::-1][2:] and not rest["has_more"]
+        run = paths[0].split("/")[2]
+        only = http.get("/models", params={"run": run}).json()["data"]
+        assert [m["id"] for m in only] == [p for p in paths[::-1] if p.split("/")[2] == run]
+        assert http.get("/models", params={"after": "nothing-like-it"}).status_code == 400
+        assert http.get("/models", params={"order": "asc"}).status_code == 400
+        assert http.get("/models", params={"run": "someone-elses"}).status_code == 404

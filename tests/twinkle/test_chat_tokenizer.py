@@ -54,3 +54,14 @@ def test_a_template_that_raises_becomes_a_user_error(tiny_model_dir: Path, tmp_p
         "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}")
     with pytest.raises(InvalidRequest, match="a system message must come first"):
         ChatTokenizer(copy).render(CONVERSATIONS[0])
+
+
+def test_a_token_holding_part_of_a_character_is_listed_by_its_own_bytes(tiny_model_dir: Path) -> None:
+    tokenizer = ChatTokenizer(tiny_model_dir)
+    ids = tokenizer.encode("naïve café", add_special_tokens=False)
+
+    assert b"".join(tokenizer.token_bytes(token) for token in ids).decode() == "naïve café"
+    partial = [token for token in ids if tokenizer.token_text(token) == "\ufffd"]
+    assert partial and all(tokenizer.token_key(token).startswith("bytes:\\x") for token in partial)
+    assert len({tokenizer.token_key(token) for token in partial}) == len(set(partial))  # distinct, unlike U+FFFD
+    assert tokenizer.token_key(ids[0]) == tokenizer.token_text(ids[0]) == "n"

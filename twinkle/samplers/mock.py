@@ -3,12 +3,9 @@
 `BigramSampling` is the one generation routine; `MockBackend.sample` uses it with an adapter's in-memory
 weights and `MockSampler` with weights loaded from sampler checkpoints.
 
-Reported logprobs:
-- a sampled token's logprob is taken under the distribution it was drawn from: the model's logits divided
-  by the temperature, restricted by top_k and then top_p, renormalised. With temperature 1 and no top_k or
-  top_p it equals the logprob `forward` reports. Greedy decoding (temperature 0) reports the model's own
-  (temperature 1) logprob of the chosen token.
-- prompt logprobs are always the model's own distribution; the first position has none.
+Reported logprobs are the model's own (temperature 1), as the torch sampler reports them: a token is drawn
+after temperature, top_k and then top_p, but its logprob, the prompt's logprobs (the first position has
+none) and the top-k alternatives are the log-softmax of the unfiltered model, the numbers `forward` reports.
 """
 
 from __future__ import annotations
@@ -37,6 +34,7 @@ from twinkle.types import (
     SampleRequest,
     SamplingParams,
     StopReason,
+    keep_last_prompt_positions,
     token_ids,
 )
 
@@ -70,27 +68,33 @@ class BigramSampling:
         count = request.num_samples
         tokens: list[list[int]] = [[] for _ in range(count)]
         logprobs: list[list[float]] = [[] for _ in range(count)]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(count)]
+        sample_k = request.topk_sample_logprobs
         reasons: list[StopReason] = ["length"] * count
         last = np.full(count, prompt[-1], np.int64)
         active = np.arange(count)
         for _ in range(params.max_tokens):
             if not len(active):
                 break
-            chosen, chosen_lp = _draw(self._distribution(lora, last[active]), params, rng)
+            model_lp = self._distribution(lora, last[active])
+            chosen, chosen_lp = _draw(model_lp, params, rng)
             last[active] = chosen
+            best = _best(model_lp, sample_k) if sample_k > 0 else [[] for _ in chosen]
             still_active = []
-            for sample, token, logprob in zip(
-                active.tolist(), chosen.tolist(), chosen_lp.tolist(), strict=True
+            for sample, token, logprob, top in zip(
+                active.tolist(), chosen.tolist(), chosen_lp.tolist(), best, strict=True
             ):
                 tokens[sample].append(token)
                 logprobs[sample].append(logprob)
+                tops[sample].append(top)
                 if token in stop_ids or stop_strings.hit(sample, tokens[sample]):
                     reasons[sample] = "stop"
                 else:
                     still_active.append(sample)
             active = np.array(still_active, np.int64)
         sequences = [
-            SampledSequence(tokens=tokens[i], logprobs=logprobs[i], stop_reason=reasons[i])
+            SampledSequence(tokens=tokens[i], logprobs=logprobs[i], stop_reason=reasons[i],
+                            topk_logprobs=tops[i] if sample_k > 0 else None)
             for i in range(count)
         ]
         output = SampleOutput(sequences=sequences)
@@ -99,7 +103,7 @@ class BigramSampling:
             output.prompt_logprobs = [None, *map(float, scored)]
         if request.topk_prompt_logprobs > 0:
             output.topk_prompt_logprobs = [[], *self._top_k(lora, prompt[:-1], request.topk_prompt_logprobs)]
-        return output
+        return keep_last_prompt_positions(output, request.prompt_logprobs_last_n)
 
     def _distribution(self, lora: LoraWeights | None, prev: np.ndarray) -> np.ndarray:
         # Samples that share their last token share the next-token distribution: compute it once.
@@ -109,11 +113,7 @@ class BigramSampling:
     def _top_k(self, lora: LoraWeights | None, prev: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
         rows: list[list[tuple[int, float]]] = []
         for start in range(0, len(prev), _TOPK_ROWS_PER_PASS):
-            full = next_token_logprobs(self._base, lora, prev[start : start + _TOPK_ROWS_PER_PASS])
-            best = np.argpartition(-full, k - 1, axis=1)[:, :k]
-            for row, ids in zip(full, best, strict=True):
-                ranked = sorted(ids.tolist(), key=lambda token: (-row[token], token))
-                rows.append([(token, float(row[token])) for token in ranked])
+            rows.extend(_best(next_token_logprobs(self._base, lora, prev[start : start + _TOPK_ROWS_PER_PASS]), k))
         return rows
 
     def _prompt(self, request: SampleRequest) -> np.ndarray:
@@ -140,11 +140,9 @@ class BigramSampling:
             problems.append(f"top_p must be in (0, 1], got {params.top_p}")
         if params.top_k < -1:
             problems.append(f"top_k must be -1 or 0 (off) or a positive count, got {params.top_k}")
-        if not 0 <= request.topk_prompt_logprobs <= self._info.vocab_size:
-            problems.append(
-                f"topk_prompt_logprobs must be in [0, {self._info.vocab_size}], "
-                f"got {request.topk_prompt_logprobs}"
-            )
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            if not 0 <= getattr(request, name) <= self._info.vocab_size:
+                problems.append(f"{name} must be in [0, {self._info.vocab_size}], got {getattr(request, name)}")
         limit = self._info.max_context_length
         if prompt_length + params.max_tokens > limit:
             problems.append(
@@ -225,10 +223,21 @@ class MockSampler:
         return lora
 
 
+def _best(model_lp: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+    """The k most likely (token, logprob) of each row of `model_lp` [rows, V], best first (ties: lower id)."""
+    k = min(k, model_lp.shape[1])
+    rows = []
+    for row, ids in zip(model_lp, np.argpartition(-model_lp, k - 1, axis=1)[:, :k], strict=True):
+        ranked = sorted(ids.tolist(), key=lambda token: (-row[token], token))
+        rows.append([(token, float(row[token])) for token in ranked])
+    return rows
+
+
 def _draw(
     model_lp: np.ndarray, params: SamplingParams, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One token per row of `model_lp` [rows, V], and its logprob under the sampling distribution."""
+    """One token per row of `model_lp` [rows, V], drawn from the sampling distribution (temperature, top_k,
+    top_p), and its logprob under the model's own distribution."""
     rows = np.arange(len(model_lp))
     if params.temperature == 0:
         chosen = model_lp.argmax(axis=1)
@@ -239,7 +248,7 @@ def _draw(
     threshold = rng.random(len(rows)) * cdf[:, -1]
     # The first id whose cumulative mass exceeds the threshold: never one with zero probability.
     chosen = (cdf <= threshold[:, None]).sum(axis=1)
-    return chosen, sampling_lp[rows, chosen]
+    return chosen, model_lp[rows, chosen].astype(np.float64)
 
 
 def _sampling_distribution(model_lp: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -8,8 +8,8 @@ recently used one beyond that (vLLM itself keeps at most `engine_args["max_loras
 Calls to `sample` from several threads are gathered: while the engine runs one `generate`, the requests that
 arrive queue up and all go to the engine together in the next one, where vLLM's scheduler batches them
 continuously. The request/response contract is the torch sampler's: stop strings and token ids, EOS unless
-`stop_at_eos` is off, per-request seeds, the sampled tokens' logprobs, prompt logprobs (first position
-None) and top-k prompt logprobs, `num_samples` completions per prompt.
+`stop_at_eos` is off, per-request seeds, the sampled tokens' logprobs and their top-k alternatives, prompt
+logprobs (first position None) and top-k prompt logprobs, `num_samples` completions per prompt.
 
 Which logprobs vLLM reports follows `engine_args["logprobs_mode"]`: `raw_logprobs` (vLLM's default) are the
 model's own, as the trainer and the torch sampler compute them; `processed_logprobs` are taken after
@@ -38,6 +38,7 @@ from twinkle.types import (
     SampleOutput,
     SampleRequest,
     StopReason,
+    keep_last_prompt_positions,
     token_ids,
 )
 
@@ -233,7 +234,7 @@ class VLLMSampler:
             stop=list(params.stop_strings) or None,
             stop_token_ids=list(params.stop_token_ids) or None,
             ignore_eos=not params.stop_at_eos,
-            logprobs=0,  # the sampled token's logprob only
+            logprobs=max(request.topk_sample_logprobs, 0),  # the sampled token's logprob, and the top-k
             prompt_logprobs=prompt_k if wants_prompt else None,
             detokenize=bool(params.stop_strings),  # text is needed only to find stop strings
             skip_special_tokens=False,
@@ -320,7 +321,7 @@ def _sample_output(request: SampleRequest, output: Any) -> SampleOutput:
                 [],
                 *(_top_k(entry, request.topk_prompt_logprobs) for entry in positions[1:]),
             ]
-    return result
+    return keep_last_prompt_positions(result, request.prompt_logprobs_last_n)
 
 
 def _sequence(request: SampleRequest, completion: Any) -> SampledSequence:
@@ -334,13 +335,14 @@ def _sequence(request: SampleRequest, completion: Any) -> SampledSequence:
     reason = _FINISH_REASONS.get(str(completion.finish_reason))
     if reason is None:
         raise BackendFailure(f"vLLM ended a completion with finish_reason {completion.finish_reason!r}.")
-    return SampledSequence(tokens, values, reason)
+    k = request.topk_sample_logprobs
+    return SampledSequence(tokens, values, reason, [_top_k(entry, k) for entry in logprobs] if k > 0 else None)
 
 
 def _top_k(entry: Mapping[int, Any], k: int) -> list[tuple[int, float]]:
-    """The k most likely tokens at one prompt position, most likely first.
+    """The k most likely tokens at one position, most likely first.
 
-    vLLM's dictionary also holds the prompt's own token, whatever its rank; ranks count from 1.
+    vLLM's dictionary also holds the prompt's (or sampled) token, whatever its rank; ranks count from 1.
     """
     ranked = sorted(entry.items(), key=lambda item: (item[1].rank, -item[1].logprob))
     return [(int(token), float(logprob.logprob)) for token, logprob in ranked if logprob.rank <= k][:k]
@@ -401,15 +403,15 @@ def _check_requests(requests: Sequence[SampleRequest], info: ModelInfo, max_logp
             problems.append(f"request {index} has temperature {params.temperature} (0 for greedy, or more)")
         if not 0 < params.top_p <= 1:
             problems.append(f"request {index} has top_p {params.top_p} (in (0, 1])")
-        if request.topk_prompt_logprobs > max_logprobs >= 0:
-            problems.append(
-                f"request {index} asks for {request.topk_prompt_logprobs} top prompt logprobs, "
-                f"over this pool's engine_args.max_logprobs {max_logprobs}"
-            )
-        if request.topk_prompt_logprobs < 0:
-            problems.append(
-                f"request {index} has topk_prompt_logprobs {request.topk_prompt_logprobs} (at least 0)"
-            )
+        for name, what in (("topk_prompt_logprobs", "prompt"), ("topk_sample_logprobs", "sampled")):
+            k = getattr(request, name)
+            if k > max_logprobs >= 0:
+                problems.append(
+                    f"request {index} asks for {k} top {what} logprobs, "
+                    f"over this pool's engine_args.max_logprobs {max_logprobs}"
+                )
+            if k < 0:
+                problems.append(f"request {index} has {name} {k} (at least 0)")
     if problems:
         raise InvalidRequest(
             "Invalid sample request: " + "; ".join(problems[:10]) + ".", problems=len(problems)

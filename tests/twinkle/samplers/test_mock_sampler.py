@@ -149,11 +149,13 @@ def test_the_same_seed_gives_the_same_samples_and_samples_differ(trained: tuple[
     assert [s.tokens for s in other_seed[0].sequences] != [s.tokens for s in first]
 
 
-def test_sampled_logprobs_at_temperature_one_are_the_model_logprobs(
-    trained: tuple[MockBackend, Path],
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=8, temperature=1.0, seed=5),
+                                    SamplingParams(max_tokens=8, temperature=0.6, top_k=4, top_p=0.8, seed=5)],
+                         ids=["temperature 1", "temperature 0.6 with top_k and top_p"])
+def test_sampled_logprobs_are_the_model_logprobs_whatever_the_sampling_parameters(
+    trained: tuple[MockBackend, Path], params: SamplingParams
 ) -> None:
     backend, _ = trained
-    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
 
     sequence = backend.sample("a", [_request([3], params)])[0].sequences[0]
 
@@ -163,7 +165,7 @@ def test_sampled_logprobs_at_temperature_one_are_the_model_logprobs(
     np.testing.assert_allclose(sequence.logprobs, forward, rtol=1e-5, atol=1e-5)
 
 
-def test_top_k_1_and_a_tiny_top_p_are_greedy_with_certain_logprobs() -> None:
+def test_top_k_1_and_a_tiny_top_p_are_greedy_with_the_models_logprobs() -> None:
     backend = MockBackend(VOCAB)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     top_1 = SamplingParams(max_tokens=6, temperature=1.0, top_k=1, seed=3)
@@ -173,8 +175,8 @@ def test_top_k_1_and_a_tiny_top_p_are_greedy_with_certain_logprobs() -> None:
 
     greedy_out, k1, p_small = (output.sequences[0] for output in outputs)
     assert k1.tokens == p_small.tokens == greedy_out.tokens
-    assert k1.logprobs == p_small.logprobs == [0.0] * 6  # the only token left has probability 1
-    assert all(lp < 0 for lp in greedy_out.logprobs)  # greedy reports the model's own logprobs
+    assert k1.logprobs == p_small.logprobs == greedy_out.logprobs  # the model's own, not the filtered ones
+    assert all(lp < 0 for lp in greedy_out.logprobs)
 
 
 def test_top_k_samples_only_the_k_most_likely_tokens() -> None:
@@ -187,13 +189,27 @@ def test_top_k_samples_only_the_k_most_likely_tokens() -> None:
 
     assert {s.tokens[0] for s in drawn} <= best_five
     assert len({s.tokens[0] for s in drawn}) > 1
-    # Reported logprobs are renormalised over the five: higher than the model's, summing to one.
+    # Reported logprobs are the model's own, not renormalised over the five.
     model_lp = dict(full.topk_prompt_logprobs[1])  # type: ignore[index]
-    sampling_lp = {s.tokens[0]: s.logprobs[0] for s in drawn}
-    assert all(sampling_lp[token] > model_lp[token] for token in sampling_lp)
-    top_mass = sum(np.exp(model_lp[token]) for token in best_five)
-    for token, logprob in sampling_lp.items():
-        assert logprob == pytest.approx(model_lp[token] - np.log(top_mass), abs=1e-5)
+    for sequence in drawn:
+        assert sequence.logprobs[0] == pytest.approx(model_lp[sequence.tokens[0]], abs=1e-5)
+
+
+def test_each_sampled_token_comes_with_the_models_top_k_at_its_position() -> None:
+    backend = MockBackend(VOCAB)
+    request = _request([3], SamplingParams(max_tokens=5, temperature=1.0, seed=2), num_samples=2)
+    request.topk_sample_logprobs = 3
+
+    for sequence in backend.sample(None, [request])[0].sequences:
+        assert sequence.topk_logprobs is not None and len(sequence.topk_logprobs) == len(sequence.tokens)
+        for previous, top in zip([3, *sequence.tokens], sequence.topk_logprobs, strict=False):
+            # a bigram model: the distribution after `previous` is the prompt's top-k at position 1
+            scored = backend.sample(None, [_request([previous, 0], topk_prompt_logprobs=3)])[0]
+            assert scored.topk_prompt_logprobs is not None
+            expected = scored.topk_prompt_logprobs[1]
+            assert [token for token, _ in top] == [token for token, _ in expected]
+            np.testing.assert_allclose([lp for _, lp in top], [lp for _, lp in expected], atol=1e-6)
+    assert backend.sample(None, [_request([3])])[0].sequences[0].topk_logprobs is None
 
 
 def test_prompt_logprobs_agree_with_forward_for_the_same_weights(trained: tuple[MockBackend, Path]) -> None:

@@ -116,6 +116,109 @@ def test_sampled_logprobs_are_the_raw_models_logprobs_of_the_sampled_tokens(
     np.testing.assert_allclose(sequence.logprobs, forward[len(prompt) - 1 :], atol=1e-4)
 
 
+def _forward_logprobs(trained: Trained, adapter: str, tokens: list[int]) -> np.ndarray:
+    """What the trainer's `forward` (loss cross_entropy) reports for `tokens[1:]` after their prefixes."""
+    return trained.backend.forward(adapter, ForwardBackwardInput([_ce_datum(tokens)])).loss_fn_outputs[0]["logprobs"]
+
+
+def _gap(trained: Trained, adapter: str, request: SampleRequest, output: SampleOutput) -> float:
+    """The largest difference between the sampler's logprobs (sampled and prompt) and the trainer's."""
+    prompt = [int(token) for token in request.prompt[0].tokens]  # type: ignore[union-attr]
+    gaps = [0.0]
+    for sequence in output.sequences:
+        forward = _forward_logprobs(trained, adapter, prompt + sequence.tokens)
+        gaps.append(float(np.abs(np.asarray(sequence.logprobs) - forward[len(prompt) - 1 :]).max(initial=0.0)))
+    if output.prompt_logprobs is not None and len(prompt) > 1:
+        forward = _forward_logprobs(trained, adapter, prompt)
+        gaps.append(float(np.abs(np.asarray(output.prompt_logprobs[1:], dtype=np.float64) - forward).max()))
+    return max(gaps)
+
+
+# Prompts of different lengths (left padding), sampling parameters that filter the distribution, both adapters.
+MIXED = [("up", 3, {"temperature": 1.0}), ("down", 7, {"temperature": 0.7, "top_k": 5}),
+         ("up", 1, {"temperature": 1.3, "top_p": 0.8}), ("down", 12, {"temperature": 0.0}),
+         ("up", 5, {"temperature": 0.5, "top_k": 50, "top_p": 0.95})]
+
+
+def _mixed(trained: Trained) -> list[tuple[str, SampleRequest]]:
+    cycles = {"up": trained.up * 3, "down": trained.down * 3}
+    requests = []
+    for seed, (adapter, length, params) in enumerate(MIXED):
+        request = _request(cycles[adapter][seed : seed + length], trained.paths[adapter], seed=seed, max_tokens=7,
+                           num_samples=2, **params)
+        request.prompt_logprobs = True
+        requests.append((adapter, request))
+    return requests
+
+
+def test_logprobs_of_a_mixed_adapter_batch_equal_the_trainers_within_1e_4(
+    sampler: TorchSampler, trained: Trained
+) -> None:
+    jobs = _mixed(trained)
+    outputs = sampler.sample([request for _, request in jobs])
+    gaps = [_gap(trained, adapter, request, output) for (adapter, request), output in zip(jobs, outputs, strict=True)]
+    assert max(gaps) < 1e-4, gaps
+
+
+def test_logprobs_of_requests_joining_a_running_generation_equal_the_trainers_within_1e_4(
+    sampler: TorchSampler, trained: Trained
+) -> None:
+    jobs = _mixed(trained)
+    requests = [request for _, request in jobs]
+    futures, _ = _serve(sampler, {0: requests[:2], 2: requests[2:4], 4: requests[4:]})  # two joins
+    gaps = [_gap(trained, adapter, request, future.result(timeout=0))
+            for (adapter, request), future in zip(jobs, futures, strict=True)]
+    assert max(gaps) < 1e-4, gaps
+
+
+def test_the_model_pools_own_sampling_reports_the_logprobs_its_forward_computes(trained: Trained) -> None:
+    for adapter, request in _mixed(trained):
+        request.adapter_path = None  # the model pool samples the adapter it trains, by id
+        (output,) = trained.backend.sample(adapter, [request])
+        assert _gap(trained, adapter, request, output) < 1e-4
+
+
+def test_a_seeded_request_draws_the_same_tokens_alone_in_a_mixed_batch_and_joining_one(
+    sampler: TorchSampler, trained: Trained
+) -> None:
+    seeded = _request([7, 8, 9], trained.paths["up"], temperature=1.0, seed=42, num_samples=3, max_tokens=10)
+    others = [request for _, request in _mixed(trained)]
+    alone = sampler.sample([seeded])[0]
+    sampler.sample(others[:2])  # both adapters loaded (PEFT initialises a new adapter from the global RNG)
+    global_state = torch.get_rng_state()
+
+    in_batch = sampler.sample([others[0], seeded, *others[1:]])[1]
+    futures, _ = _serve(sampler, {0: others[:3], 3: [seeded]})
+
+    assert _tokens(in_batch) == _tokens(alone) == _tokens(futures[3].result(timeout=0))
+    assert torch.equal(torch.get_rng_state(), global_state)  # per-request generators: the global one is untouched
+    unseeded = [_tokens(sampler.sample([_request([7, 8, 9], trained.paths["up"], temperature=1.0,
+                                                 num_samples=3, max_tokens=10)])[0]) for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
+
+
+def test_each_sampled_token_comes_with_the_raw_models_top_k(sampler: TorchSampler, trained: Trained) -> None:
+    prompt = trained.up[:3]
+    request = _request(prompt, trained.paths["up"], temperature=0.8, top_k=3, seed=1, max_tokens=6)
+    request.topk_sample_logprobs = 4
+    (output,) = sampler.sample([request, _request(trained.down[:2], trained.paths["down"])])[:1]
+    sequence = output.sequences[0]
+
+    rescored = _request(prompt + sequence.tokens, trained.paths["up"], max_tokens=0)
+    rescored.topk_prompt_logprobs = 4
+    (expected,) = sampler.sample([rescored])
+    assert sequence.topk_logprobs is not None and expected.topk_prompt_logprobs is not None
+    assert len(sequence.topk_logprobs) == len(sequence.tokens)
+    for position, (token, logprob, top) in enumerate(zip(sequence.tokens, sequence.logprobs, sequence.topk_logprobs,
+                                                         strict=True)):
+        assert len(top) == 4 and [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        assert dict(top).get(token, logprob) == pytest.approx(logprob, abs=1e-6)
+        want = expected.topk_prompt_logprobs[len(prompt) + position]
+        assert [t for t, _ in top] == [t for t, _ in want]
+        np.testing.assert_allclose([lp for _, lp in top], [lp for _, lp in want], atol=1e-4)
+    assert sampler.sample([_request(prompt, None)])[0].sequences[0].topk_logprobs is None
+
+
 def test_a_mixed_adapter_batch_matches_one_request_at_a_time(
     sampler: TorchSampler, trained: Trained, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -262,7 +262,7 @@ def adapter(directory: Path, rank: int = 8) -> str:
 def request(prompt: list[int], **params: Any) -> SampleRequest:
     options = {
         key: params.pop(key)
-        for key in ("num_samples", "prompt_logprobs", "topk_prompt_logprobs", "adapter_path")
+        for key in ("num_samples", "prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "adapter_path")
         if key in params
     }
     return SampleRequest(chunks_from_tokens(prompt), SamplingParams(**params), **options)
@@ -438,6 +438,19 @@ def test_prompt_logprobs_start_with_none_and_top_k_lists_the_k_most_likely_first
     ]
 
 
+def test_each_sampled_token_comes_with_the_engines_top_k_most_likely_first(sampler: VLLMSampler) -> None:
+    (output,) = sampler.sample([request([10], max_tokens=6, seed=3, topk_sample_logprobs=2)])
+    (completion,) = engine(sampler).calls[0]["outputs"][0].outputs
+    assert engine(sampler).calls[0]["params"][0].logprobs == 2
+    sequence = output.sequences[0]
+    assert sequence.topk_logprobs is not None and len(sequence.topk_logprobs) == len(sequence.tokens)
+    for previous, top in zip([10, *sequence.tokens], sequence.topk_logprobs, strict=False):
+        # the engine's entry also holds the sampled token when it ranks below 2; it is left out
+        assert top == [(ranked_token(previous, 1, 0), rank_logprob(1)), (ranked_token(previous, 2, 0), rank_logprob(2))]
+    assert completion.logprobs is not None and any(len(entry) == 3 for entry in completion.logprobs)
+    assert sampler.sample([request([10], max_tokens=2)])[0].sequences[0].topk_logprobs is None
+
+
 def test_an_aborted_completion_is_a_backend_failure(sampler: VLLMSampler) -> None:
     engine(sampler).finish_reason_override = "abort"
     with pytest.raises(BackendFailure, match="finish_reason 'abort'"):
@@ -453,6 +466,7 @@ def test_invalid_requests_are_refused_before_the_engine_sees_them(sampler: VLLMS
         request([1], num_samples=0),
         request([1], top_p=0.0),
         request([1], topk_prompt_logprobs=21),
+        request([1], topk_sample_logprobs=21),
     ]
     with pytest.raises(InvalidRequest) as error:
         sampler.sample(bad)
@@ -465,6 +479,7 @@ def test_invalid_requests_are_refused_before_the_engine_sees_them(sampler: VLLMS
         "request 4 asks for 0 samples",
         "request 6 asks for 21 top prompt logprobs, over this pool's engine_args.max_logprobs 20",
         "request 5 has top_p 0.0",
+        "request 7 asks for 21 top sampled logprobs, over this pool's engine_args.max_logprobs 20",
     ):
         assert fragment in message
     assert engine(sampler).calls == []

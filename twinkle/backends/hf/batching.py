@@ -101,3 +101,12 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     index = targets.unsqueeze(-1) if targets.dim() == logits.dim() - 1 else targets
     picked = logits.gather(-1, index) - normalizer
     return picked.squeeze(-1) if targets.dim() == logits.dim() - 1 else picked
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` most likely token ids of each row of `logits` [..., V] and their float32 logprobs, best first
+    (the same arithmetic as `target_logprobs`, so a top-k entry equals the target logprob of that token)."""
+    logits = logits.float()
+    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return top.indices, top.values - normalizer

@@ -4,8 +4,11 @@ A batch of requests, each with its own adapter, runs as one batched generation: 
 and prefilled once per request, the KV cache is then copied to each of its `num_samples` rows, and every step
 feeds one token per unfinished row (finished rows leave the batch). Each request draws from its own
 `torch.Generator`, so a seeded request gives the same tokens whatever else shares its batch. Sampled and
-prompt logprobs are the raw model's (temperature 1), computed as the trainer computes them. Images in a
-prompt are expanded into image tokens (`hf.images`) and read in the prefill; decoding then needs only the cache.
+prompt logprobs, and their top-k alternatives, are the raw model's (log-softmax of the logits at temperature 1,
+before top-k / top-p filtering), computed as the trainer computes them (`batching.target_logprobs`): they
+equal `forward`'s logprobs for the same tokens on the same weights, in float32 to about 1e-6 whatever the
+batch, its padding or the joins. Images in a prompt are expanded into image tokens (`hf.images`) and read in
+the prefill; decoding then needs only the cache.
 """
 
 from __future__ import annotations
@@ -17,11 +20,18 @@ from typing import Any
 
 import torch
 
-from twinkle.backends.hf.batching import target_logprobs
+from twinkle.backends.hf.batching import target_logprobs, top_logprobs
 from twinkle.backends.hf.images import images_checked_by_model
 from twinkle.backends.hf.shared_model import SharedModel
 from twinkle.errors import InvalidRequest
-from twinkle.types import SampledSequence, SampleOutput, SampleRequest, SamplingParams, StopReason
+from twinkle.types import (
+    SampledSequence,
+    SampleOutput,
+    SampleRequest,
+    SamplingParams,
+    StopReason,
+    keep_last_prompt_positions,
+)
 
 # A character can take up to 4 byte-level tokens; a stop string is searched for in this many tokens per char.
 _TOKENS_PER_STOP_CHAR = 4
@@ -35,6 +45,7 @@ class _Row:
     limit: int  # tokens this row may still produce in total
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk: list[list[tuple[int, float]]] = field(default_factory=list)  # when the request asked for it
     stop_reason: StopReason | None = None
 
 
@@ -186,10 +197,14 @@ class Decoder:
         with torch.inference_mode():
             rows = [self.rows[index] for index in self.active]
             chosen = _choose_tokens(self.logits, rows, self.requests, self.generators)
-            chosen_logprobs = torch.log_softmax(self.logits, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-            for row, token, logprob in zip(rows, chosen.tolist(), chosen_logprobs.tolist(), strict=True):
+            chosen_logprobs = target_logprobs(self.logits, chosen)
+            alternatives = self._alternatives(rows)
+            for row, token, logprob, top in zip(rows, chosen.tolist(), chosen_logprobs.tolist(), alternatives,
+                                                strict=True):
                 row.tokens.append(token)
                 row.logprobs.append(logprob)
+                if top is not None:
+                    row.topk.append(top)
                 row.stop_reason = _stop_reason(row, self.requests[row.request].params, eos_ids, shared)
                 if row.stop_reason is not None:
                     self.unfinished[row.request] -= 1
@@ -219,17 +234,29 @@ class Decoder:
             self.logits = output.logits[:, -1, :].float()
             self.positions = self.positions + 1
 
+    def _alternatives(self, rows: list[_Row]) -> list[list[tuple[int, float]] | None]:
+        """Each row's top-k (token, logprob) at this step, for rows whose request asked for them."""
+        wanted = [self.requests[row.request].topk_sample_logprobs for row in rows]
+        if not any(k > 0 for k in wanted):
+            return [None] * len(rows)
+        assert self.logits is not None
+        ids, values = top_logprobs(self.logits, max(wanted))
+        return [list(zip(row_ids[:k], row_values[:k], strict=True)) if k > 0 else None
+                for k, row_ids, row_values in zip(wanted, ids.tolist(), values.tolist(), strict=True)]
+
     def partial(self, request: int) -> list[list[int]]:
         """The tokens each sample of a running request has produced so far (for streaming)."""
         return [row.tokens for _, row in sorted(self.rows.items()) if row.request == request]
 
     def pop(self, request: int) -> SampleOutput:
         """The finished request's output; the request and its rows are forgotten."""
-        self._forget(request)
         output = self.results.pop(request)
+        wants_topk = self.requests[request].topk_sample_logprobs > 0
+        self._forget(request)
         for key in [key for key, row in self.rows.items() if row.request == request]:
             row = self.rows.pop(key)
-            output.sequences.append(SampledSequence(row.tokens, row.logprobs, row.stop_reason or "length"))
+            output.sequences.append(SampledSequence(row.tokens, row.logprobs, row.stop_reason or "length",
+                                                    row.topk if wants_topk else None))
         return output
 
     def fail_all(self) -> list[int]:
@@ -352,14 +379,13 @@ def _prompt_output(request: SampleRequest, logits: torch.Tensor, input_ids: torc
         values = target_logprobs(predicting.unsqueeze(0), input_ids[width - length + 1 :].unsqueeze(0))[0]
         output.prompt_logprobs = [None, *values.tolist()]
     if request.topk_prompt_logprobs > 0:
-        k = min(request.topk_prompt_logprobs, logits.shape[-1])
-        top = torch.log_softmax(predicting.float(), dim=-1).topk(k, dim=-1)
+        top_ids, top_values = top_logprobs(predicting, request.topk_prompt_logprobs)
         pairs = [
             list(zip(ids, values, strict=True))
-            for ids, values in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+            for ids, values in zip(top_ids.tolist(), top_values.tolist(), strict=True)
         ]
         output.topk_prompt_logprobs = [[], *pairs]
-    return output
+    return keep_last_prompt_positions(output, request.prompt_logprobs_last_n)
 
 
 def _check_requests(
@@ -383,7 +409,8 @@ def _check_requests(
             problems.append(f"request {index} has temperature {params.temperature} (0 for greedy, or more)")
         if not 0 < params.top_p <= 1:
             problems.append(f"request {index} has top_p {params.top_p} (in (0, 1])")
-        if request.topk_prompt_logprobs < 0:
-            problems.append(f"request {index} has topk_prompt_logprobs {request.topk_prompt_logprobs} (at least 0)")
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            if not 0 <= getattr(request, name) <= vocab_size:
+                problems.append(f"request {index} has {name} {getattr(request, name)} (0 to {vocab_size})")
     if problems:
         raise InvalidRequest("Invalid sample request: " + "; ".join(problems[:10]) + ".", problems=len(problems))
