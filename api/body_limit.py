@@ -4,7 +4,8 @@ A declared Content-Length over the limit is refused before a byte of the body is
 is counted as it streams and refused the moment it passes the limit, so a 300 MB upload costs the API
 at most the limit, never the upload. Compute routes (batches, prompts, encode rows) get the large
 `storage.max_request_bytes`; every other route, whose bodies are ids and small settings, gets
-`storage.max_control_request_bytes`.
+`storage.max_control_request_bytes`; the adapter upload (`/import_adapter`, a tar archive) gets
+`storage.max_adapter_upload_bytes` and always streams through.
 
 JSON bodies (what FastAPI parses: a JSON content type, or none) are collected here, still counted, and
 their nesting depth is checked before anything parses them (see `api.json_depth`); the app then reads
@@ -29,6 +30,7 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 # Last path segments of the routes that carry data rather than settings (Tinker and Twinkle routes, and
 # OpenAI-style completions): they get the large limit.
 COMPUTE_ROUTES = ("/forward_backward", "/forward", "/forward_only", "/asample", "/encode", "/completions")
+UPLOAD_ROUTES = ("/import_adapter",)  # file uploads: their own limit, never collected in memory
 
 
 class _TooLarge(Exception):
@@ -36,14 +38,17 @@ class _TooLarge(Exception):
 
 
 class BodyLimit:
-    def __init__(self, app: App, *, max_bytes: int, max_control_bytes: int,
+    def __init__(self, app: App, *, max_bytes: int, max_control_bytes: int, max_upload_bytes: int | None = None,
                  max_depth: int = MAX_JSON_DEPTH) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_control_bytes = min(max_control_bytes, max_bytes)
+        self.max_upload_bytes = max_upload_bytes or max_bytes
         self.max_depth = max_depth
 
     def limit_for(self, path: str) -> int:
+        if _is_upload(path):
+            return self.max_upload_bytes
         return self.max_bytes if path.rstrip("/").endswith(COMPUTE_ROUTES) else self.max_control_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -54,9 +59,9 @@ class BodyLimit:
         limit = self.limit_for(scope["path"])
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await _refuse_too_large(send, headers, limit, int(declared))
+            await _refuse_too_large(send, headers, limit, int(declared), scope["path"])
             return
-        if _is_json(headers):
+        if _is_json(headers) and not _is_upload(scope["path"]):
             await self._json(scope, receive, send, headers, limit)
         else:
             await self._streamed(scope, receive, send, headers, limit)
@@ -70,7 +75,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _refuse_too_large(send, headers, limit, None)
+                await _refuse_too_large(send, headers, limit, None, scope["path"])
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -117,7 +122,7 @@ class BodyLimit:
             if not over:
                 raise
         if over:
-            await _refuse_too_large(send, headers, limit, None)
+            await _refuse_too_large(send, headers, limit, None, scope["path"])
 
 
 def _is_json(headers: dict[str, str]) -> bool:
@@ -127,10 +132,17 @@ def _is_json(headers: dict[str, str]) -> bool:
     return not kind or kind == "application/json" or kind.endswith("+json")
 
 
-async def _refuse_too_large(send: Send, headers: dict[str, str], limit: int, declared: int | None) -> None:
+def _is_upload(path: str) -> bool:
+    return path.rstrip("/").endswith(UPLOAD_ROUTES)
+
+
+async def _refuse_too_large(send: Send, headers: dict[str, str], limit: int, declared: int | None,
+                            path: str = "") -> None:
     size = f"{declared} bytes" if declared is not None else "more than that"
+    what = ("Upload a smaller adapter (the operator sets the limit: storage.max_adapter_upload_bytes)."
+            if _is_upload(path) else "Send smaller requests (split a batch into chunks).")
     await _refuse(send, headers, 413, "payload_too_large", f"The request body is {size}; this route accepts at "
-                  f"most {limit} bytes. Send smaller requests (split a batch into chunks).")
+                  f"most {limit} bytes. {what}")
 
 
 async def _refuse(send: Send, headers: dict[str, str], status: int, code: str, message: str) -> None:
