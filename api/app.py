@@ -28,7 +28,19 @@ from api.key_share import KeyShare
 from api.openai import routes as openai_routes
 from api.quotas import QuotaGate
 from api.ratelimit import RateLimiter
-from api.routes import downloads, exports, futures, rest, sampling, session, tokenizer, training, twinkle, usage
+from api.routes import (
+    downloads,
+    exports,
+    futures,
+    imports,
+    rest,
+    sampling,
+    session,
+    tokenizer,
+    training,
+    twinkle,
+    usage,
+)
 from api.store import Store
 from twinkle.auth import KeyChecker
 from twinkle.catalog import Catalog
@@ -115,13 +127,15 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
     app.state.ctx = ctx
     errors.install(app)
     prefix = api_prefix(config)
-    for module in (session, training, sampling, futures, rest, exports, downloads, tokenizer, twinkle, usage):
+    for module in (session, training, sampling, futures, rest, exports, imports, downloads, tokenizer, twinkle,
+                   usage):
         app.include_router(module.router, prefix=prefix)
     app.include_router(openai_routes.router)  # /v1/...: where OpenAI clients look, whatever the prefix
     app.include_router(console_routes.router)  # /console
     setup_api_telemetry(app, config)
     app.add_middleware(BodyLimit, max_bytes=config.storage.max_request_bytes,
-                       max_control_bytes=config.storage.max_control_request_bytes)
+                       max_control_bytes=config.storage.max_control_request_bytes,
+                       max_upload_bytes=config.storage.max_adapter_upload_bytes)
     app.add_middleware(KeyShare)  # inside the access log, so a request's wait for its key's slot is timed
     app.add_middleware(AccessLog)  # added last: outermost, so it times and logs every answer
     return app

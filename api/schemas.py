@@ -122,6 +122,10 @@ class SaveWeightsExternalBody(Body):
     age_encryption_recipients: list[str] | None = Field(default=None, max_length=10)
 
 
+class ExportMergedBody(Body):
+    path: str = Field(max_length=1000)
+
+
 class CopyWeightsBody(Body):
     source_path: str = Field(max_length=1000)
     session_id: str | None = Field(default=None, max_length=200)

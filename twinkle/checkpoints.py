@@ -7,6 +7,10 @@ reused: a sampler snapshot path keeps meaning the weights it was first written w
 
 Clients name checkpoints `tinker://<run_id>/<kind>/<name>` (Tinker SDK) or `twinkle://...`; both
 are accepted everywhere and resolve inside the caller's own tenant directory only.
+
+A checkpoint's merged export (twinkle.merged_export) lives beside it, in
+`<checkpoint_dir>/<tenant>/<run_id>/merged/<kind>/<name>/`, committed the same way (its record file written
+last), and goes when the checkpoint is deleted or overwritten.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ Kind = Literal["weights", "sampler_weights", "external_weights"]
 CHECKPOINT_TYPES: dict[str, str] = {"weights": "training", "sampler_weights": "sampler",
                                     "external_weights": "external"}
 METADATA_FILE = "checkpoint_metadata.json"
+MERGED_ROOT = "merged"  # <tenant>/<run>/merged/<kind>/<name>/: the checkpoint's merged export
+MERGED_RECORD = "merged_export.json"  # the merged export's record, written last
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:=+-]{0,199}$")
 SCHEMES = ("tinker://", "twinkle://")
 
@@ -94,6 +100,7 @@ def index_entry(ref: CheckpointRef, metadata: dict[str, Any], ttl_seconds: int |
         "public": False,
         "user_metadata": metadata.get("user_metadata") or None,
         "expires_at": datetime.fromtimestamp(now + ttl_seconds, UTC).isoformat() if ttl_seconds else None,
+        **({"export": metadata["export"]} if metadata.get("export") else {}),
     }
 
 
@@ -158,6 +165,7 @@ class CheckpointStore:
             os.rename(final, trash)
             os.rename(tmp, final)
             shutil.rmtree(trash, ignore_errors=True)
+            self.delete_merged(owner, ref)  # merged from the weights just replaced
         else:
             os.rename(tmp, final)
         return metadata
@@ -170,15 +178,75 @@ class CheckpointStore:
         trash = final.parent / f".del-{ref.name}-{uuid.uuid4().hex[:8]}"
         os.rename(final, trash)
         shutil.rmtree(trash, ignore_errors=True)
+        self.delete_merged(owner, ref)
 
     def metadata(self, owner: str, ref: CheckpointRef) -> dict[str, Any]:
         path = self.existing(owner, ref) / METADATA_FILE
-        try:  # O_NOFOLLOW: a symlink planted after the check above is refused, not followed
-            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), encoding="utf-8") as f:
-                result: dict[str, Any] = json.load(f)
+        try:
+            return _read_json(path)
         except (OSError, ValueError) as exc:
             raise NotFound(f"Checkpoint {ref.uri()} not found.") from exc
-        return result
+
+    def update_metadata(self, owner: str, ref: CheckpointRef, changes: dict[str, Any], *, saved_at: Any) -> bool:
+        """Add `changes` to the metadata of the checkpoint saved at `saved_at` (its metadata's `time`); False,
+        and nothing written, when the checkpoint is gone or was overwritten since."""
+        try:
+            metadata = self.metadata(owner, ref)
+        except NotFound:
+            return False
+        if metadata.get("time") != saved_at:
+            return False
+        if any(metadata.get(key) != value for key, value in changes.items()):
+            _write_json_atomic(self.existing(owner, ref) / METADATA_FILE, {**metadata, **changes})
+        return True
+
+    # The checkpoint's merged export (twinkle.merged_export), beside it.
+
+    def merged_path(self, owner: str, ref: CheckpointRef) -> Path:
+        tenant = self.tenant_dir(owner)
+        final = tenant / ref.run_id / MERGED_ROOT / ref.kind / ref.name
+        if not final.resolve().is_relative_to(tenant.resolve()):
+            raise NotFound(f"Checkpoint {ref.uri()} not found.")
+        return final
+
+    def merged_record(self, owner: str, ref: CheckpointRef) -> dict[str, Any] | None:
+        """The committed record of the checkpoint's merged export; None when it has none."""
+        final = self.merged_path(owner, ref)
+        if final.is_symlink() or not _plain_file(final / MERGED_RECORD):
+            return None
+        try:
+            return _read_json(final / MERGED_RECORD)
+        except (OSError, ValueError):
+            return None
+
+    def begin_merged(self, owner: str, ref: CheckpointRef) -> Path:
+        final = self.merged_path(owner, ref)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{ref.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        return tmp
+
+    def commit_merged(self, owner: str, ref: CheckpointRef, tmp: Path, record: dict[str, Any]) -> None:
+        """Write the record last, then move the export into place (replacing an older one)."""
+        _write_json_atomic(tmp / MERGED_RECORD, record)
+        final = self.merged_path(owner, ref)
+        if final.exists() or final.is_symlink():
+            self.delete_merged(owner, ref)
+        os.rename(tmp, final)
+
+    def delete_merged(self, owner: str, ref: CheckpointRef) -> None:
+        final = self.merged_path(owner, ref)
+        if not (final.exists() or final.is_symlink()):
+            return
+        trash = final.parent / f".del-{ref.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(final, trash)
+        except FileNotFoundError:  # deleted meanwhile
+            return
+        if trash.is_symlink():
+            trash.unlink()
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
 
 
 def _plain_file(path: Path) -> bool:
@@ -233,6 +301,13 @@ def _storage_errno(exc: BaseException) -> int | None:
                 return code
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    # O_NOFOLLOW: a symlink planted after the caller's check is refused, not followed
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), encoding="utf-8") as f:
+        result: dict[str, Any] = json.load(f)
+    return result
 
 
 def _size_of(directory: Path) -> int:

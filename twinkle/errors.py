@@ -16,7 +16,8 @@
         ├── BrokerUnavailable         Redis/Valkey cannot be reached (503)
         ├── BackendFailure            the model backend raised unexpectedly
         ├── StorageFailure            the checkpoint disk is full, read-only or not writable (507)
-        └── ExportStoreFailure        the S3-compatible export store is unreachable or refuses access (502)
+        ├── ExportStoreFailure        the S3-compatible export store is unreachable or refuses access (502)
+        └── ExportVerificationFailed  a merged export does not reproduce its checkpoint's logprobs (409)
 
 Errors cross process boundaries (Celery, Redis blobs), so each one pickles with its fields intact.
 """
@@ -172,6 +173,14 @@ class ExportStoreFailure(ServerError):
 
     status_code = 502
     code = "export_store_unavailable"
+
+
+class ExportVerificationFailed(ServerError):
+    """Raised when a merged export, loaded the way a user loads it, does not give its checkpoint's logprobs within
+    the tolerance: the export is kept as failed and never offered for download (409)."""
+
+    status_code = 409
+    code = "export_verification_failed"
 
 
 class OpTimedOut(BackendFailure):

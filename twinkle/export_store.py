@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from twinkle.checkpoints import METADATA_FILE, CheckpointRef
+from twinkle.checkpoints import MERGED_RECORD, METADATA_FILE, CheckpointRef
 from twinkle.errors import ExportStoreFailure, NotFound
 from twinkle.tar_stream import TarStream
 
@@ -72,37 +73,55 @@ class ExportStore:
                     exclude: frozenset[str] = frozenset()) -> tuple[str, int]:
         """A presigned URL of the checkpoint as one tar (uploaded now if needed), and its expiry (unix s)."""
         filename = f"{ref.run_id}-{ref.kind}-{ref.name}.tar".replace(":", "_")
-        return self._presigned(tenant, ref, directory, ARCHIVE, filename,
+        return self._presigned(self._checkpoint_prefix(tenant, ref), directory / METADATA_FILE, ref, ARCHIVE, filename,
                                lambda: _chunk_reader(TarStream(directory, ref.name, exclude=exclude).chunks()))
 
     def file_url(self, tenant: str, ref: CheckpointRef, directory: Path, name: str) -> tuple[str, int]:
         """A presigned URL of one file of the checkpoint (`name` relative to it), and its expiry."""
-        path = directory / name
-        if path.is_symlink() or not path.is_file() or not path.resolve().is_relative_to(directory.resolve()):
-            raise NotFound(f"{name} is not a file of checkpoint {ref.uri()}.")
-        return self._presigned(tenant, ref, directory, f"files/{name}", Path(name).name, lambda: open(path, "rb"))
+        path = _file_of(directory, name, ref)
+        return self._presigned(self._checkpoint_prefix(tenant, ref), directory / METADATA_FILE, ref, f"files/{name}",
+                               Path(name).name, lambda: open(path, "rb"))
+
+    def merged_archive_url(self, tenant: str, ref: CheckpointRef, directory: Path, *,
+                           exclude: frozenset[str] = frozenset()) -> tuple[str, int]:
+        """The same for the checkpoint's merged export (twinkle.merged_export) in `directory`, as one tar."""
+        filename = f"{ref.run_id}-{ref.kind}-{ref.name}-merged.tar".replace(":", "_")
+        prefix = f"{ref.name}-merged"
+        return self._presigned(self._merged_prefix(tenant, ref), directory / MERGED_RECORD, ref, ARCHIVE, filename,
+                               lambda: _chunk_reader(TarStream(directory, prefix, exclude=exclude).chunks()))
+
+    def merged_file_url(self, tenant: str, ref: CheckpointRef, directory: Path, name: str) -> tuple[str, int]:
+        """A presigned URL of one file of the checkpoint's merged export."""
+        path = _file_of(directory, name, ref)
+        return self._presigned(self._merged_prefix(tenant, ref), directory / MERGED_RECORD, ref, f"files/{name}",
+                               Path(name).name, lambda: open(path, "rb"))
 
     def delete(self, tenant: str, ref: CheckpointRef) -> None:
-        """Remove every object of the checkpoint (all versions, archive and files)."""
+        """Remove every object of the checkpoint (all versions, archive and files) and of its merged export."""
         self._delete_under(self._checkpoint_prefix(tenant, ref))
+        self._delete_under(self._merged_prefix(tenant, ref))
 
     def _checkpoint_prefix(self, tenant: str, ref: CheckpointRef) -> str:
         return f"{self.prefix}{tenant}/{ref.run_id}/{ref.kind}/{ref.name}/"
 
-    def _presigned(self, tenant: str, ref: CheckpointRef, directory: Path, member: str, filename: str,
+    def _merged_prefix(self, tenant: str, ref: CheckpointRef) -> str:
+        return f"{self.prefix}{tenant}/{ref.run_id}/merged/{ref.kind}/{ref.name}/"
+
+    def _presigned(self, prefix: str, marker: Path, ref: CheckpointRef, member: str, filename: str,
                    source: Callable[[], BinaryIO]) -> tuple[str, int]:
-        checkpoint = self._checkpoint_prefix(tenant, ref)
-        version = f"{checkpoint}{_version(directory, ref)}/"
+        """Upload `member` under `prefix`, versioned by the hash of `marker` (the metadata or record file that
+        every rewrite of the directory changes), unless it is there; then sign a URL of it."""
+        version = f"{prefix}{_version(marker, ref)}/"
         key = version + member
         if not self._exists(key):
             with source() as body:
                 self._call("upload to", lambda: self._s3.upload_fileobj(
                     body, self.bucket, key, ExtraArgs={"ContentType": "application/octet-stream"},
                     Config=self._transfer))
-            if not (directory / METADATA_FILE).is_file():  # deleted while uploading: leave nothing behind
-                self._delete_under(checkpoint)
+            if not marker.is_file():  # deleted while uploading: leave nothing behind
+                self._delete_under(prefix)
                 raise NotFound(f"Checkpoint {ref.uri()} not found.")
-            self._delete_under(checkpoint, keep=version)  # the bytes an overwrite replaced
+            self._delete_under(prefix, keep=version)  # the bytes an overwrite replaced
         expires = int(time.time()) + self.ttl_seconds
         url = self._call("sign for", lambda: self._s3.generate_presigned_url(
             "get_object", ExpiresIn=self.ttl_seconds, Params={
@@ -176,11 +195,35 @@ def _from_botocore(exc: BaseException) -> bool:
     return type(exc).__module__.split(".")[0] in ("botocore", "boto3", "s3transfer")
 
 
-def _version(directory: Path, ref: CheckpointRef) -> str:
+def _version(marker: Path, ref: CheckpointRef) -> str:
     try:
-        return hashlib.sha256((directory / METADATA_FILE).read_bytes()).hexdigest()[:16]
+        data = marker.read_bytes()
     except OSError:
         raise NotFound(f"Checkpoint {ref.uri()} not found.") from None
+    if marker.name == METADATA_FILE:
+        data = _as_saved(data)
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _as_saved(metadata_bytes: bytes) -> bytes:
+    """The metadata file as its save wrote it: the merged export's summary, added to it later, changes none of
+    the checkpoint's bytes, so it must not make the objects uploaded before stale (twinkle.checkpoints writes
+    JSON with indent 2 and sorted keys, so removing the summary gives the saved bytes back)."""
+    try:
+        metadata = json.loads(metadata_bytes)
+    except ValueError:
+        return metadata_bytes
+    if not isinstance(metadata, dict) or "export" not in metadata:
+        return metadata_bytes
+    metadata.pop("export")
+    return json.dumps(metadata, indent=2, sort_keys=True).encode()
+
+
+def _file_of(directory: Path, name: str, ref: CheckpointRef) -> Path:
+    path = directory / name
+    if path.is_symlink() or not path.is_file() or not path.resolve().is_relative_to(directory.resolve()):
+        raise NotFound(f"{name} is not a file of checkpoint {ref.uri()}.")
+    return path
 
 
 def _chunk_reader(chunks: Iterator[bytes]) -> BinaryIO:

@@ -44,6 +44,8 @@ class Op(StrEnum):
     CALCULATE_METRIC = "calculate_metric"
     GET_TRAIN_CONFIGS = "get_train_configs"
     UPLOAD_TO_HUB = "upload_to_hub"
+    # a checkpoint's LoRA merged into the base weights, checked and kept as a Hugging Face model directory
+    EXPORT_MERGED = "export_merged"
     # processor pool
     ENCODE = "encode"
 

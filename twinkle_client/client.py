@@ -15,20 +15,27 @@ from __future__ import annotations
 
 import atexit
 import os
+import tarfile
+import tempfile
 import threading
-from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
 
 from twinkle_client.errors import InvalidArgument, NotFoundError, TwinkleClientError
+from twinkle_client.exports import checkpoint_parts, download_files
 from twinkle_client.futures import FuturePoller, TwinkleFuture
 from twinkle_client.session import Session
 from twinkle_client.transport import NO_RETRIES, RetryPolicy, Transport
 from twinkle_client.types import (
     CapacityInfo,
     Checkpoint,
+    ImportedAdapter,
+    MergedExport,
+    MergedUrls,
     ServerCapabilities,
     SupportedModel,
     TrainingRun,
@@ -38,6 +45,8 @@ from twinkle_client.types import (
 T = TypeVar("T")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 LONG_POLL_MARGIN = 45.0  # the server holds a poll ~30 s; a poll's read timeout must outlast that
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+UPLOAD_CHUNK = 1 << 20
 
 
 class TwinkleClient:
@@ -218,6 +227,72 @@ class TwinkleClient:
             self._transport.request("POST", "/weights_info", json={"tinker_path": path}, idempotent=True)
         )
 
+    def import_adapter(
+        self,
+        adapter: str | os.PathLike[str],
+        *,
+        base_model: str | None = None,
+        name: str | None = None,
+        ttl_seconds: int | None = None,
+        timeout: float = 600.0,
+    ) -> ImportedAdapter:
+        """Upload a PEFT LoRA adapter; it becomes checkpoints this API key owns.
+
+        `adapter` is the directory `PeftModel.save_pretrained` wrote (its adapter_config.json and
+        adapter_model.safetensors are sent, nothing else) or a .tar / .tar.gz of one. `base_model` names the
+        served model it was trained on (default: the config's base_model_name_or_path), `name` the checkpoint.
+        Train on it with `model.add_adapter_to_model(name, imported.lora_config)` and
+        `model.resume_from_checkpoint(imported.twinkle_path, resume_only_model=True)`; sample it with
+        `adapter_path=imported.twinkle_sampler_path`. The server refuses a wrong base model, foreign shapes,
+        pickles and oversized uploads with a message saying which.
+        """
+        params = {
+            key: value
+            for key, value in (("base_model", base_model), ("name", name), ("ttl_seconds", ttl_seconds))
+            if value is not None
+        }
+        with _adapter_archive(Path(adapter)) as archive:
+            size = archive.seek(0, os.SEEK_END)
+
+            def body() -> Iterator[bytes]:
+                archive.seek(0)
+                while chunk := archive.read(UPLOAD_CHUNK):
+                    yield chunk
+
+            reply = self._transport.request(
+                "POST",
+                "/import_adapter",
+                params=params,
+                content=body,
+                headers={"Content-Type": "application/x-tar", "Content-Length": str(size)},
+                timeout=timeout,
+            )
+        return ImportedAdapter.model_validate(reply)
+
+    # Merged exports (twinkle_client.exports).
+
+    def export_merged(self, path: str) -> MergedExport:
+        """Have the server merge the checkpoint's LoRA into the base weights and check the result against its
+        own logprobs; waits for it. Once per checkpoint: asking again answers the same export. A merged model
+        that failed its check raises the server's error (code export_verification_failed) naming the difference.
+        """
+        return self.submit_export_merged(path).result()
+
+    def submit_export_merged(self, path: str) -> TwinkleFuture[MergedExport]:
+        return self.submit("/export_merged", {"path": path}, MergedExport.model_validate, label="export_merged")
+
+    def get_merged_urls(self, path: str) -> MergedUrls:
+        """Signed URLs of the verified merged export's files (config.json, safetensors shards, tokenizer)."""
+        run_id, checkpoint_id = checkpoint_parts(path)
+        return MergedUrls.model_validate(self._transport.request(
+            "GET", f"/training_runs/{_segment(run_id)}/checkpoints/{quote(checkpoint_id, safe='/')}/merged_urls"))
+
+    def download_merged(self, path: str, directory: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Merge (if not done yet) and download the checkpoint as a Hugging Face model directory that
+        `AutoModelForCausalLM.from_pretrained(directory)` loads; returns the directory."""
+        self.export_merged(path)
+        return download_files(self.get_merged_urls(path).urls, directory, overwrite=overwrite)
+
     # Requests that answer with a future (used by the model, sampler and dataset classes).
 
     def submit(
@@ -291,6 +366,23 @@ def _plain_model_name(model_id: str) -> str:
     if os.path.isdir(path):
         return os.path.basename(os.path.normpath(path))
     return model_id
+
+
+def _adapter_archive(adapter: Path) -> IO[bytes]:
+    """An open file holding the upload: a tar of the directory's two adapter files, or the archive itself."""
+    if adapter.is_dir():
+        archive = tempfile.TemporaryFile()  # noqa: SIM115 - the caller's `with` closes it
+        with tarfile.open(fileobj=archive, mode="w") as tar:
+            for file_name in ADAPTER_FILES:
+                if (adapter / file_name).is_file():
+                    tar.add(adapter / file_name, arcname=file_name)
+        return archive
+    if adapter.is_file():
+        return adapter.open("rb")
+    raise InvalidArgument(
+        f"{str(adapter)!r} is neither an adapter directory nor an archive. Pass the directory "
+        "PeftModel.save_pretrained wrote (adapter_config.json, adapter_model.safetensors) or a .tar of it."
+    )
 
 
 def _label(path: str) -> str:

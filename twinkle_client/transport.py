@@ -112,10 +112,13 @@ class Transport:
         idempotent: bool | None = None,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
+        content: Callable[[], Any] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """The decoded JSON reply of `method path`; raises an APIError subclass for error statuses.
 
-        `idempotent` defaults to the method's own semantics (GET, PUT, DELETE are; POST is not).
+        `idempotent` defaults to the method's own semantics (GET, PUT, DELETE are; POST is not). A body other
+        than JSON is `content()`, called once per try (bytes, or an iterator of bytes read from a file).
         """
         method = method.upper()
         if idempotent is None:
@@ -130,7 +133,15 @@ class Transport:
         while True:
             self._check_open()
             try:
-                response = self._http.request(method, path, json=json, params=params, timeout=request_timeout)
+                response = self._http.request(
+                    method,
+                    path,
+                    json=json,
+                    params=params,
+                    timeout=request_timeout,
+                    content=content() if content is not None else None,
+                    headers=headers,
+                )
             except httpx.TransportError as error:
                 self._check_open()
                 if not _may_retry_transport_error(error, idempotent) or attempt >= policy.max_retries:

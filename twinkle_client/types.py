@@ -63,6 +63,9 @@ class Checkpoint(Reply):
     public: bool = False
     user_metadata: dict[str, Any] | None = None
     expires_at: datetime | None = None
+    export: dict[str, Any] | None = None
+    """Its merged export's check once export_merged ran: status, max_abs_diff (the largest logprob difference of
+    the PEFT adapter and the merged model against the server's), tolerance, the merged model's size."""
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -89,6 +92,56 @@ class WeightsInfo(Reply):
     base_model: str
     is_lora: bool = True
     lora_rank: int | None = None
+
+
+class ImportedAdapter(Reply):
+    """An uploaded PEFT adapter (TwinkleClient.import_adapter): a training run of this key holding it as a
+    training checkpoint (`twinkle_path`) and a sampler checkpoint (`twinkle_sampler_path`)."""
+
+    training_run_id: str
+    path: str
+    sampler_path: str
+    base_model: str
+    lora_rank: int
+    lora_config: dict[str, Any] = Field(default_factory=dict)
+    """The adapter's LoRA settings, for add_adapter_to_model(name, lora_config)."""
+    size_bytes: int | None = None
+    ignored_files: list[str] = Field(default_factory=list)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def twinkle_path(self) -> str:
+        return as_twinkle_path(self.path)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def twinkle_sampler_path(self) -> str:
+        return as_twinkle_path(self.sampler_path)
+
+
+class MergedExport(Reply):
+    """A checkpoint's LoRA merged into the base weights on the server (TwinkleClient.export_merged), verified:
+    loaded as a user loads it, it gives the server's logprobs within the tolerance."""
+
+    path: str
+    status: str
+    export: dict[str, Any] = Field(default_factory=dict)
+    """status, max_abs_diff, tolerance, adapter / merged (each's status and max_abs_diff), seconds."""
+    files: list[str] = Field(default_factory=list)
+    size_bytes: int = 0
+
+    @property
+    def max_abs_diff(self) -> float | None:
+        value = self.export.get("max_abs_diff")
+        return float(value) if isinstance(value, (int, float)) else None
+
+
+class MergedUrls(Reply):
+    """Signed URLs (no API key needed) of a verified merged export's files, until `expires`."""
+
+    urls: dict[str, str]
+    expires: datetime
+    export: dict[str, Any] = Field(default_factory=dict)
 
 
 # Training.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict
 from typing import Any
@@ -28,9 +29,12 @@ from twinkle.types import (
     lora_spec_from_dict,
 )
 from workers.batcher import SampleBatcher
+from workers.exports import ExportSettings, MergedExports
 from workers.residency import SlotResidency
 from workers.token_stream import token_publisher
 from workers.twinkle_ops import TwinkleOps
+
+log = logging.getLogger("twinkle.worker")
 
 
 class CheckpointIndex:
@@ -54,7 +58,7 @@ class ModelPoolHandlers:
     """Ops of a model pool: one backend holding one base model and many adapters."""
 
     def __init__(self, backend: ModelBackend, sampler: SamplerBackend | None, store: CheckpointStore,
-                 r: redis.Redis, keys: Keys, queue: str = "") -> None:
+                 r: redis.Redis, keys: Keys, queue: str = "", exports: ExportSettings | None = None) -> None:
         self.backend = backend
         self.sampler = sampler
         self.store = store
@@ -65,6 +69,7 @@ class ModelPoolHandlers:
         self.twinkle = TwinkleOps(self)
         self.queue = queue
         self.residency = SlotResidency(r, keys, queue, backend, lambda: self.live_adapters)
+        self.exports = MergedExports(backend, store, r, keys, exports)
 
     def adapter_ids(self) -> list[str]:
         return sorted(self.live_adapters)
@@ -99,6 +104,7 @@ class ModelPoolHandlers:
             Op.CALCULATE_METRIC: self.twinkle.calculate_metric,
             Op.GET_TRAIN_CONFIGS: self.twinkle.get_train_configs,
             Op.UPLOAD_TO_HUB: self.upload_to_hub,
+            Op.EXPORT_MERGED: self.exports.export,
         }
 
     def create_model(self, rec: FutureRecord, spec: LoraSpec) -> dict[str, Any]:
@@ -151,10 +157,22 @@ class ModelPoolHandlers:
         result: dict[str, Any] = {"path": ref.uri()}
         if ref.kind == "external_weights":
             result["size_bytes"] = metadata.get("size_bytes")
+            if not req.age_recipients:  # a PEFT adapter download: checked as a user would load it
+                check = self._check_adapter_export(rec, ref)
+                if check is not None:
+                    result["export"] = check
         if req.sampling_session_id:
             self._create_sampling_session(rec, req.sampling_session_id, ref)
             result["sampling_session_id"] = req.sampling_session_id
         return result
+
+    def _check_adapter_export(self, rec: FutureRecord, ref: CheckpointRef) -> dict[str, Any] | None:
+        """The saved adapter's check (workers.exports); a check that cannot run never fails the save it follows."""
+        try:
+            return self.exports.check_adapter(rec, ref)
+        except Exception:  # the checkpoint is saved; only its listing lacks the check
+            log.warning("the adapter check of %s did not run", ref.uri(), exc_info=True)
+            return None
 
     def _create_sampling_session(self, rec: FutureRecord, sampling_session_id: str, ref: CheckpointRef) -> None:
         model = self._model(rec.model_id)

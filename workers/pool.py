@@ -33,6 +33,7 @@ from twinkle.server import startup, verbosity
 from twinkle.telemetry import op_span, setup_worker_telemetry
 from twinkle.usage import UsageLedger
 from workers import broker_link, processor
+from workers.exports import ExportSettings
 from workers.factory import build_model_pool, build_sampler
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
 from workers.lifecycle import AdapterReaper
@@ -72,7 +73,8 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
     started = time.perf_counter()
     if app.import_path == "model":
         backend, sampler = build_model_pool(config, app, replica)  # in process, or on a Ray device group
-        model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys, queue)
+        model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys, queue, exports=ExportSettings(
+            args.backend, args.model_id, args.export, getattr(backend, "compute_dtype", None) or args.torch_dtype))
         runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=ttl,
                               has_adapter=backend.has_adapter, queue_timeout=queue_timeout(args))
         if args.clock.enabled or args.scheduling.policy == "fair":

@@ -60,8 +60,34 @@ def run_link(run_id: str) -> str:
     return f'<a href="#/runs/{quote(run_id, safe="")}" data-run="{esc(run_id)}">{esc(run_id)}</a>'
 
 
+Link = Callable[[str, dict[str, Any]], str | None]
+
+
+def export_cell(entry: dict[str, Any], merged_link: str | None) -> str:
+    """A checkpoint's merged export (twinkle.merged_export): its check's largest logprob difference, and the
+    merged model's download once verified."""
+    export = entry.get("export")
+    if not isinstance(export, dict):
+        return "—"
+    status = str(export.get("status", ""))
+    adapter, merged = export.get("adapter") or {}, export.get("merged") or {}
+    detail = (f"PEFT adapter: max |Δ logprob| {_num(adapter.get('max_abs_diff'))} ({adapter.get('status', '—')}); "
+              + (f"merged model: {_num(merged.get('max_abs_diff'))} ({merged.get('status', '—')}); " if merged
+                 else "not merged yet; ")
+              + f"tolerance {_num(export.get('tolerance'))}")
+    cell = (f'<span class="export" title="{esc(detail)}">{status_badge(status)} {"" if merged else "adapter "}'
+            f'max |Δ| {esc(_num(export.get("max_abs_diff")))}</span>')
+    if merged_link and merged.get("status") == "verified":
+        cell += f' <a href="{esc(merged_link)}" download>merged model</a> ({size(merged.get("size_bytes"))})'
+    return cell
+
+
+def _num(value: Any) -> str:
+    return f"{value:.2g}" if isinstance(value, (int, float)) else "—"
+
+
 def overview(readings: TenantReadings, checkpoints: dict[str, list[dict[str, Any]]],
-             download: Callable[[str, dict[str, Any]], str | None], *, admin: str = "") -> str:
+             download: Link, *, admin: str = "", merged_download: Link | None = None) -> str:
     parts = [f'<p class="who">Signed in as tenant <code>{esc(readings.tenant)}</code>'
              f'{" (operator)" if admin else ""}.</p>', admin]
     parts.append(section("Training runs", runs_table(readings.runs), ident="runs"))
@@ -78,9 +104,11 @@ def overview(readings: TenantReadings, checkpoints: dict[str, list[dict[str, Any
             link = download(run_id, c)
             rows.append([run_link(run_id), f"<code>{esc(c.get('tinker_path'))}</code>", esc(c.get("checkpoint_type")),
                          size(c.get("size_bytes")), when(c.get("time")), expiry(c.get("expires_at")),
-                         f'<a href="{esc(link)}" download>download</a>' if link else "—"])
-    parts.append(section("Checkpoints", table(["run", "path", "type", "size", "saved", "TTL", ""], rows,
-                                              empty="No checkpoints yet.", cls="checkpoints"), ident="checkpoints"))
+                         f'<a href="{esc(link)}" download>download</a>' if link else "—",
+                         export_cell(c, merged_download(run_id, c) if merged_download else None)])
+    headers = ["run", "path", "type", "size", "saved", "TTL", "", "merged export"]
+    parts.append(section("Checkpoints", table(headers, rows, empty="No checkpoints yet.", cls="checkpoints"),
+                         ident="checkpoints"))
     sessions = [[f"<code>{esc(s.session_id)}</code>", when(s.created_at), when(s.last_heartbeat),
                  esc(s.finished) or "open", esc(s.sdk_version) or "—"] for s in readings.sessions]
     parts.append(section("Sessions", table(["session", "created", "last heartbeat", "state", "client"], sessions,
@@ -121,7 +149,7 @@ def expiry(expires_at: Any) -> str:
 
 
 def run_page(run: ModelRecord, series: dict[str, list[tuple[int, float]]], checkpoints: list[dict[str, Any]],
-             download: Callable[[str, dict[str, Any]], str | None]) -> str:
+             download: Link, merged_download: Link | None = None) -> str:
     default = next((n for n in ("loss:sum", "loss:mean", "loss") if n in series),
                    next((n for n in series if "loss" in n), next(iter(series), "")))
     data = esc(json.dumps({"series": series, "default": default}, separators=(",", ":")))
@@ -136,14 +164,15 @@ def run_page(run: ModelRecord, series: dict[str, list[tuple[int, float]]], check
     recent = [[str(s), *(f"{values[n][s]:.4g}" if s in values[n] else "" for n in names)] for s in reversed(steps)]
     rows = [[f"<code>{esc(c.get('tinker_path'))}</code>", esc(c.get("checkpoint_type")), size(c.get("size_bytes")),
              when(c.get("time")), expiry(c.get("expires_at")),
-             f'<a href="{esc(link)}" download>download</a>' if (link := download(run.model_id, c)) else "—"]
+             f'<a href="{esc(link)}" download>download</a>' if (link := download(run.model_id, c)) else "—",
+             export_cell(c, merged_download(run.model_id, c) if merged_download else None)]
             for c in checkpoints]
     return (f'<p><a href="#/">← all runs</a></p><h2 class="run-title">Run <code>{esc(run.model_id)}</code></h2>'
             f'<p class="run-facts">{status_badge(run.status)} base model {esc(run.base_model)} · '
             f'{run.steps} steps · LoRA rank {esc(run.lora.get("rank", "—"))} · created {when(run.created_at)}</p>'
             + section("Metrics per step", chart + table(["step", *names], recent, empty="", cls="metrics"),
                       ident="metrics")
-            + section("Checkpoints", table(["path", "type", "size", "saved", "TTL", ""], rows,
+            + section("Checkpoints", table(["path", "type", "size", "saved", "TTL", "", "merged export"], rows,
                                            empty="No checkpoints yet.", cls="checkpoints"), ident="run-checkpoints"))
 
 

@@ -74,6 +74,22 @@ def _downloads(ctx: ApiContext, request: Request, tenant: str) -> Any:
     return link
 
 
+def _merged_downloads(ctx: ApiContext, request: Request, tenant: str) -> Any:
+    """A function giving the signed URL of a checkpoint's verified merged export as a tar (None: none yet)."""
+    from api.routes.downloads import merged_archive_url
+
+    def link(run_id: str, entry: dict[str, Any]) -> str | None:
+        kind, _, name = str(entry.get("checkpoint_id", "")).partition("/")
+        export = entry.get("export")
+        verified = isinstance(export, dict) and (export.get("merged") or {}).get("status") == "verified"
+        if kind not in CHECKPOINT_TYPES or not name or not verified:
+            return None
+        url, _ = merged_archive_url(ctx, request, tenant, CheckpointRef(run_id, kind, name))  # type: ignore[arg-type]
+        return url
+
+    return link
+
+
 @router.get("/fragments/overview")
 async def overview(request: Request, ctx: Ctx, tenant: Tenant,
                    x_api_key: Annotated[str | None, Header()] = None,
@@ -84,14 +100,16 @@ async def overview(request: Request, ctx: Ctx, tenant: Tenant,
     if _is_admin(ctx, x_api_key, authorization):
         admin = pages.admin_section(await pool_readings(ctx), await recent_errors(ctx))
     return _html(pages.overview(readings, {k: v for k, v in checkpoints.items() if v},
-                                _downloads(ctx, request, tenant), admin=admin))
+                                _downloads(ctx, request, tenant), admin=admin,
+                                merged_download=_merged_downloads(ctx, request, tenant)))
 
 
 @router.get("/fragments/runs/{run_id}")
 async def run(run_id: str, request: Request, ctx: Ctx, tenant: Tenant) -> HTMLResponse:
     record, series = await run_series(ctx, tenant, run_id)
     checkpoints = list(reversed(await ctx.store.checkpoints(run_id)))
-    return _html(pages.run_page(record, series, checkpoints, _downloads(ctx, request, tenant)))
+    return _html(pages.run_page(record, series, checkpoints, _downloads(ctx, request, tenant),
+                                _merged_downloads(ctx, request, tenant)))
 
 
 @router.get("/api/runs/{run_id}/metrics")

@@ -5,6 +5,9 @@ gets URLs that work without a key until they expire, for urllib, curl or another
 routes stream from disk and re-check that the checkpoint still exists inside the signed tenant's directory.
 With `storage.export_store` set, the same two calls answer presigned URLs of the bucket instead
 (twinkle/export_store.py); the download routes then only serve URLs handed out before it was set.
+
+A checkpoint's merged export (twinkle.merged_export) is offered the same way, once it is verified:
+`.../merged_urls` (one URL per file) and `.../merged_archive` (a tar), served from `/downloads/.../merged/...`.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ from fastapi.responses import FileResponse, StreamingResponse
 
 from api.context import ApiContext
 from api.deps import Ctx, Tenant
-from twinkle.checkpoints import CHECKPOINT_TYPES, METADATA_FILE, CheckpointRef, validate_name
+from twinkle import merged_export
+from twinkle.checkpoints import CHECKPOINT_TYPES, MERGED_RECORD, METADATA_FILE, CheckpointRef, validate_name
 from twinkle.download_urls import DownloadSigner
-from twinkle.errors import InvalidRequest, NotFound
+from twinkle.errors import ExportVerificationFailed, InvalidRequest, NotFound
 from twinkle.tar_stream import TarStream
 
 router = APIRouter()
 _EXCLUDED = frozenset({METADATA_FILE})  # Twinkle's bookkeeping, not part of the adapter
+_MERGED_EXCLUDED = frozenset({MERGED_RECORD})  # nor of the merged model
 
 
 def _signer(ctx: ApiContext) -> DownloadSigner:
@@ -54,9 +59,27 @@ async def _owned_dir(ctx: ApiContext, tenant: str, ref: CheckpointRef) -> Path:
     return ctx.checkpoints.existing(tenant, ref)
 
 
-def _files(directory: Path) -> list[str]:
+def _files(directory: Path, excluded: frozenset[str] = _EXCLUDED) -> list[str]:
     return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
-                  if p.is_file() and not p.is_symlink() and p.relative_to(directory).as_posix() not in _EXCLUDED)
+                  if p.is_file() and not p.is_symlink() and p.relative_to(directory).as_posix() not in excluded)
+
+
+def _merged(ctx: ApiContext, tenant: str, ref: CheckpointRef) -> tuple[Path, dict[str, Any]]:
+    """The directory and record of the checkpoint's verified merged export; NotFound before export_merged made
+    it, ExportVerificationFailed when it failed its check (never offered)."""
+    saved_at = ctx.checkpoints.metadata(tenant, ref).get("time")
+    record = ctx.checkpoints.merged_record(tenant, ref)
+    if record is None or not merged_export.is_current(record, saved_at):
+        raise NotFound(f"Checkpoint {ref.uri()} has no merged export yet.",
+                       hint="Ask for one with export_merged (twinkle_client: client.export_merged(path)) and wait for "
+                            "its future.")
+    if record["status"] != merged_export.VERIFIED:
+        raise ExportVerificationFailed(merged_export.failure_message(record))
+    return ctx.checkpoints.merged_path(tenant, ref), record
+
+
+def _merged_subject(ref: CheckpointRef, member: str) -> str:
+    return f"merged:{ref.uri()}/{member}"  # never a subject of the checkpoint's own files
 
 
 def _absolute(ctx: ApiContext, request: Request, route: str, **params: str) -> str:
@@ -107,6 +130,75 @@ async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, 
     return Response(content=json.dumps({"url": url, "expires": expires_iso}), status_code=302,
                     media_type="application/json",
                     headers={"Location": url, "Expires": formatdate(expires, usegmt=True)})
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/merged_urls")
+async def merged_urls(run_id: str, checkpoint_id: str, request: Request, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    """One signed URL per file of the checkpoint's verified merged export, and the export's check."""
+    ref = _ref_of_id(run_id, checkpoint_id)
+    await _owned_dir(ctx, tenant, ref)
+    directory, record = await asyncio.to_thread(_merged, ctx, tenant, ref)
+    urls: dict[str, str] = {}
+    expires = 0
+    for name in await asyncio.to_thread(_files, directory, _MERGED_EXCLUDED):
+        if ctx.export_store is not None:
+            urls[name], expires = await asyncio.to_thread(ctx.export_store.merged_file_url, tenant, ref, directory,
+                                                          name)
+            continue
+        urls[name], expires = signed_url(ctx, request, tenant, "download_merged_file", _merged_subject(ref, name),
+                                         run_id=ref.run_id, kind=ref.kind, name=ref.name, file_path=name)
+    expires = expires or int(datetime.now(UTC).timestamp()) + _signer(ctx).ttl_seconds
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat(),
+            "export": merged_export.summary(record)}
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/merged_archive")
+async def merged_archive(run_id: str, checkpoint_id: str, request: Request, ctx: Ctx, tenant: Tenant) -> Response:
+    """302 to a signed URL of the verified merged export as one tar (`curl -L` works)."""
+    ref = _ref_of_id(run_id, checkpoint_id)
+    await _owned_dir(ctx, tenant, ref)
+    directory, _ = await asyncio.to_thread(_merged, ctx, tenant, ref)
+    if ctx.export_store is not None:
+        url, expires = await asyncio.to_thread(ctx.export_store.merged_archive_url, tenant, ref, directory,
+                                               exclude=_MERGED_EXCLUDED)
+    else:
+        url, expires = merged_archive_url(ctx, request, tenant, ref)
+    expires_iso = datetime.fromtimestamp(expires, UTC).isoformat()
+    return Response(content=json.dumps({"url": url, "expires": expires_iso}), status_code=302,
+                    media_type="application/json",
+                    headers={"Location": url, "Expires": formatdate(expires, usegmt=True)})
+
+
+def merged_archive_url(ctx: ApiContext, request: Request, tenant: str, ref: CheckpointRef) -> tuple[str, int]:
+    """The API's own signed URL of a merged export's tar (the console links it)."""
+    return signed_url(ctx, request, tenant, "download_merged_archive", _merged_subject(ref, "archive.tar"),
+                      run_id=ref.run_id, kind=ref.kind, name=ref.name)
+
+
+@router.get("/downloads/{run_id}/{kind}/{name}/merged/files/{file_path:path}", name="download_merged_file")
+async def download_merged_file(run_id: str, kind: str, name: str, file_path: str, ctx: Ctx,
+                               tenant: str = "", expires: str = "", signature: str = "") -> FileResponse:
+    ref = _ref(run_id, kind, name)
+    _signer(ctx).verify(tenant, _merged_subject(ref, file_path), expires, signature)
+    directory, _ = await asyncio.to_thread(_merged, ctx, tenant, ref)
+    path = directory / file_path
+    if (file_path in _MERGED_EXCLUDED or path.is_symlink() or not path.is_file()
+            or not path.resolve().is_relative_to(directory.resolve())):
+        raise NotFound(f"{file_path} is not a file of the merged export of {ref.uri()}.")
+    return FileResponse(path, media_type="application/octet-stream", filename=Path(file_path).name)
+
+
+@router.get("/downloads/{run_id}/{kind}/{name}/merged/archive.tar", name="download_merged_archive")
+async def download_merged_archive(run_id: str, kind: str, name: str, ctx: Ctx,
+                                  tenant: str = "", expires: str = "", signature: str = "") -> StreamingResponse:
+    ref = _ref(run_id, kind, name)
+    _signer(ctx).verify(tenant, _merged_subject(ref, "archive.tar"), expires, signature)
+    directory, _ = await asyncio.to_thread(_merged, ctx, tenant, ref)
+    stream = await asyncio.to_thread(TarStream, directory, f"{ref.name}-merged", exclude=_MERGED_EXCLUDED)
+    filename = f"{ref.run_id}-{ref.kind}-{ref.name}-merged.tar".replace(":", "_")
+    return StreamingResponse(stream.chunks(), media_type="application/x-tar", headers={
+        "Content-Length": str(stream.content_length),
+        "Content-Disposition": f'attachment; filename="{filename}"'})
 
 
 @router.get("/downloads/{run_id}/{kind}/{name}/files/{file_path:path}", name="download_file")

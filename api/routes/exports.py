@@ -1,4 +1,5 @@
-"""Weights that leave the training loop: save_weights_external (a future) and copy_weights (plain reply)."""
+"""Weights that leave the training loop: save_weights_external and export_merged (futures) and copy_weights
+(plain reply)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from fastapi import APIRouter, Header
 from api.checkpoint_writes import submit_save
 from api.context import ApiContext
 from api.deps import Ctx, Policy, Tenant
-from api.schemas import CopyWeightsBody, SaveWeightsExternalBody
+from api.schemas import CopyWeightsBody, ExportMergedBody, SaveWeightsExternalBody
+from twinkle import merged_export
 from twinkle.checkpoints import METADATA_FILE, CheckpointRef, index_entry, parse_checkpoint_path, validate_name
 from twinkle.encryption import parse_recipients
 from twinkle.errors import InvalidRequest, NotFound
-from twinkle.futures import Op
+from twinkle.futures import FutureStatus, Op, new_request_id
 from twinkle.records import ModelRecord
 from twinkle.types import SaveRequest
 
@@ -38,6 +40,62 @@ async def save_weights_external(body: SaveWeightsExternalBody, ctx: Ctx, tenant:
                       ttl_seconds=body.ttl_seconds, age_recipients=recipients)
     rid = await submit_save(ctx, tenant, policy, record, Op.SAVE_WEIGHTS_EXTERNAL, req, seq_id=body.seq_id)
     return {"request_id": rid, "model_id": record.model_id}
+
+
+@router.post("/export_merged")
+async def export_merged(body: ExportMergedBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
+    """Merge a checkpoint's LoRA into the base weights on its model's pool, checked before it is offered
+    (twinkle.merged_export); a future. One merge per checkpoint: a request while one runs gets its future, a
+    later one the recorded result. Counted like a checkpoint save (quotas, rate, outstanding writes)."""
+    ref = parse_checkpoint_path(body.path)
+    run = await ctx.store.model(ref.run_id, tenant, active=False)  # another tenant's run: 404
+    metadata = await asyncio.to_thread(ctx.checkpoints.metadata, tenant, ref)
+    served = ctx.catalog.find(str(metadata.get("base_model") or run.base_model))
+    refused = merged_export.refusal(served.backend, served.name)
+    if refused is not None:
+        raise refused
+    if not served.model_queues:
+        raise InvalidRequest(f"{served.name} has no model pool here to merge {ref.uri()} on.")
+    queue = run.queue if run.queue in served.model_queues else served.model_queues[0]
+    scope, version = f"export_merged:{tenant}:{ref.uri()}", _saved_version(metadata)
+    await _forget_failed_attempt(ctx, tenant, scope, version)
+    await ctx.quotas.check(tenant, policy, Op.EXPORT_MERGED)
+    request_id = new_request_id()
+    if ctx.writes is not None:
+        await ctx.writes.reserve(tenant, request_id)
+    try:
+        await ctx.limiter.admit(tenant, queue)
+        winner = await ctx.store.submit(op=Op.EXPORT_MERGED, owner=tenant, model_id="", queue=queue,
+                                        payload={"path": ref.uri()}, seq_id=version, dedupe_scope=scope,
+                                        request_id=request_id, weight=policy.weight)
+    except BaseException:
+        if ctx.writes is not None:
+            await ctx.writes.release(tenant, request_id)
+        raise
+    if winner != request_id and ctx.writes is not None:  # the merge already asked for: counted once
+        await ctx.writes.release(tenant, request_id)
+    return {"request_id": winner, "path": ref.uri()}
+
+
+def _saved_version(metadata: dict[str, Any]) -> int:
+    """Which save of the checkpoint this is (an overwritten training checkpoint is merged again)."""
+    try:
+        return int(float(metadata.get("time") or 0) * 1e6)
+    except (TypeError, ValueError):
+        return 0
+
+
+async def _forget_failed_attempt(ctx: ApiContext, tenant: str, scope: str, version: int) -> None:
+    """A failed attempt (a full disk, no free LoRA slot) is not the answer for good: the next request runs the op
+    again, which answers a recorded verification failure from its record."""
+    key = ctx.keys.dedupe(scope, version)
+    previous = await ctx.store.r.get(key)
+    if previous is None:
+        return
+    status = await ctx.store.r.hget(ctx.keys.future(previous.decode() if isinstance(previous, bytes)
+                                                    else str(previous)), "status")
+    if status is None or (status.decode() if isinstance(status, bytes) else str(status)) == FutureStatus.FAILED:
+        await ctx.store.r.delete(key)
 
 
 @router.post("/copy_weights")
@@ -128,6 +186,7 @@ def _link_checkpoint(ctx: ApiContext, tenant: str, source_dir: Path, target: Che
             except OSError:
                 shutil.copy2(path, tmp / relative)
         metadata: dict[str, Any] = json.loads((source_dir / METADATA_FILE).read_text())
+        metadata.pop("export", None)  # the source's merged export stays the source's
         metadata.update(checkpoint_id=target.checkpoint_id, tinker_path=target.uri(), run_id=target.run_id,
                         copied_from=source_path, time=time.time())
         return ctx.checkpoints.commit(tenant, target, tmp, metadata)

@@ -129,6 +129,11 @@ def id_routes(a: Tenant, b: Tenant) -> list[tuple[str, str, str, Any]]:
          f"/training_runs/{run}/checkpoints/{ck}/external_weights_urls", None),
         ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id}/archive",
          f"/training_runs/{run}/checkpoints/{ck}/archive", None),
+        ("POST", "/export_merged", "/export_merged", {"path": a.checkpoint}),
+        ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id}/merged_urls",
+         f"/training_runs/{run}/checkpoints/{ck}/merged_urls", None),
+        ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id}/merged_archive",
+         f"/training_runs/{run}/checkpoints/{ck}/merged_archive", None),
         ("POST", "/copy_weights", "/copy_weights", {"source_path": a.checkpoint, "destination_project_id": "p"}),
         ("POST", "/copy_weights", "/copy_weights",
          {"source_path": b.checkpoint, "session_id": a.session_id, "model_seq_id": 7}),
@@ -160,12 +165,16 @@ ID_FREE = {
     ("GET", "/twinkle/capacity_info"), ("POST", "/twinkle/encode"),
     ("GET", "/tokenizer_files"), ("GET", "/tokenizer_files/{name}"),  # the served model's, the same for every key
     ("GET", "/usage"),  # another tenant's only for operators' keys (tests/api/test_usage_report.py)
+    # a new run of the caller's own; another key cannot load or see it (tests/e2e/test_adapter_import.py)
+    ("POST", "/import_adapter"),
 }
 
 
 # Download routes take no key: a signed URL is the credential (tests/e2e/test_weight_export.py, and below).
 SIGNED = {("GET", "/downloads/{run_id}/{kind}/{name}/files/{file_path}"),
-          ("GET", "/downloads/{run_id}/{kind}/{name}/archive.tar")}
+          ("GET", "/downloads/{run_id}/{kind}/{name}/archive.tar"),
+          ("GET", "/downloads/{run_id}/{kind}/{name}/merged/files/{file_path}"),  # tests/e2e/test_merged_export.py
+          ("GET", "/downloads/{run_id}/{kind}/{name}/merged/archive.tar")}
 
 
 # OpenAI-compatible routes (outside /api/v1, errors in OpenAI's shape): another key's adapter is a 404 there too,

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.harness import free_port
-from twinkle.checkpoints import METADATA_FILE, CheckpointRef
+from twinkle.checkpoints import MERGED_RECORD, METADATA_FILE, CheckpointRef
 from twinkle.config.models import ExportStoreConfig
 from twinkle.errors import ExportStoreFailure, NotFound
 from twinkle.export_store import PART_BYTES, ExportStore
@@ -118,6 +118,35 @@ def test_files_get_urls_of_their_own_and_delete_removes_every_object_of_the_chec
     exports.delete("tA", REF)
     assert [k.split("/")[1] for k in keys(s3_endpoint, bucket)] == ["tB"]
     exports.delete("tA", REF)  # nothing left: no error
+
+
+def test_a_merged_export_gets_objects_of_its_own_which_its_summary_in_the_checkpoint_leaves_valid(
+        s3_endpoint: str, bucket: str, tmp_path: Path) -> None:
+    exports = store(s3_endpoint, bucket)
+    directory = checkpoint(tmp_path)
+    (directory / METADATA_FILE).write_text(json.dumps({"time": 1.0}, indent=2, sort_keys=True))  # as a save writes it
+    adapter_url, _ = exports.file_url("tA", REF, directory, "adapter_model.safetensors")
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / "config.json").write_text('{"model_type": "qwen3"}')
+    (merged / "model.safetensors").write_bytes(os.urandom(2000))
+    (merged / MERGED_RECORD).write_text('{"status": "verified"}')
+    url, _ = exports.merged_file_url("tA", REF, merged, "config.json")
+    assert unquote(url).startswith(f"{s3_endpoint}/{bucket}/exp/tA/s1:train:0/merged/weights/step-1/")
+    assert httpx.get(url).content == (merged / "config.json").read_bytes()
+    archive, _ = exports.merged_archive_url("tA", REF, merged, exclude=frozenset({MERGED_RECORD}))
+    with tarfile.open(fileobj=io.BytesIO(httpx.get(archive).content)) as tar:
+        assert sorted(tar.getnames()) == ["step-1-merged/config.json", "step-1-merged/model.safetensors"]
+
+    before = keys(s3_endpoint, bucket)
+    export = {"status": "verified", "max_abs_diff": 1e-6}  # what export_merged adds to the checkpoint's metadata
+    (directory / METADATA_FILE).write_text(json.dumps({"export": export, "time": 1.0}, indent=2, sort_keys=True))
+    assert exports.file_url("tA", REF, directory, "adapter_model.safetensors")[0].split("?")[0] == \
+        adapter_url.split("?")[0]
+    assert keys(s3_endpoint, bucket) == before and httpx.get(adapter_url).status_code == 200  # nothing re-uploaded
+
+    exports.delete("tA", REF)
+    assert keys(s3_endpoint, bucket) == []
 
 
 def test_a_missing_bucket_and_bad_credentials_are_clear_server_errors(s3_endpoint: str, tmp_path: Path) -> None:

@@ -74,6 +74,11 @@ class TransformersBackend:
     def device(self) -> torch.device:
         return self.shared.base.device
 
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the base model computes in (`float32`, `bfloat16`, ...)."""
+        return str(self.shared.base.model.dtype).removeprefix("torch.")
+
     # Adapters
 
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:

@@ -10,6 +10,7 @@ from typing_extensions import TypedDict
 from twinkle.config.base import StrictModel, config_problem
 from twinkle.config.clock import ClockConfig, SchedulingConfig
 from twinkle.config.devices import DeviceGroup, DeviceMesh
+from twinkle.config.export import ExportConfig
 from twinkle.config.limits import AdapterConfig, QueueConfig
 from twinkle.config.parallelism import parallelism_problems
 
@@ -98,6 +99,8 @@ class ModelArgs(StrictModel):
     uses the backend's default."""
     served_model_name: str | None = Field(default=None, min_length=1)
     """Name clients use for this base model; None uses model_id without its `ms://` or `hf://` scheme."""
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    """Merged exports of this pool's checkpoints (`export_merged`): dtype, shard size, tolerances."""
 
     @property
     def served_name(self) -> str:

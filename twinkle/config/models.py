@@ -183,6 +183,10 @@ class StorageConfig(StrictModel):
     max_control_request_bytes: int = Field(default=1024 * 1024, gt=0)
     """Largest accepted body of every other route (sessions, models, checkpoints, futures) in bytes; larger
     requests are refused with HTTP 413 while they arrive."""
+    max_adapter_upload_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)
+    """Largest accepted adapter upload (`POST /import_adapter`: a tar of a PEFT adapter's adapter_config.json and
+    adapter_model.safetensors) in bytes, compressed or not; larger uploads are refused with HTTP 413 while they
+    arrive, and an archive that unpacks to more is refused with 400."""
     checkpoint_writes_per_key: int = Field(default=2, ge=0)
     """Checkpoint saves (save_weights, save_state, save_weights_for_sampler, Twinkle save) one API key may
     have queued or running at once; more are refused with 429 and Retry-After (0 = unlimited)."""

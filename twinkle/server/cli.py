@@ -5,6 +5,7 @@
     twinkle-server print-config -c cfg.yaml [--format yaml|json]
     twinkle-server clear persistence -c cfg.yaml
     twinkle-server build-tiny-model OUT_DIR [--vocab-size N] [--seed S]
+    twinkle-server export-merged PATH OUT_DIR [--base-url URL] [--api-key KEY] [--overwrite]
     twinkle-server keys add [--label NAME] [--prefix tw-|tml-] [--tier TIER] [--weight W] | list
                        | set LABEL_OR_HASH_PREFIX [--tier TIER] [--weight W] | revoke LABEL_OR_HASH_PREFIX
                        [--keys-file PATH | -c cfg.yaml]
@@ -105,6 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--vocab-size", type=int, help="vocabulary size (default: the builder's)")
     tiny.add_argument("--seed", type=int, help="random seed (default: the builder's)")
     tiny.set_defaults(command=_build_tiny_model)
+
+    merged = commands.add_parser("export-merged", help="merge a checkpoint's LoRA into the base model on a server "
+                                 "and download the verified Hugging Face model directory")
+    merged.add_argument("path", metavar="PATH", help="the checkpoint, twinkle://<run>/<kind>/<name> (or tinker://)")
+    merged.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="directory to write the model into")
+    merged.add_argument("--base-url", default=os.environ.get("TWINKLE_SERVER_URL", "http://127.0.0.1:8000"),
+                        help="the server (default: $TWINKLE_SERVER_URL, then http://127.0.0.1:8000)")
+    merged.add_argument("--api-key", default=os.environ.get("TWINKLE_SERVER_TOKEN"),
+                        help="the API key that owns the checkpoint (default: $TWINKLE_SERVER_TOKEN)")
+    merged.add_argument("--overwrite", action="store_true", help="replace OUT_DIR when it holds files")
+    merged.set_defaults(command=_export_merged)
 
     _add_keys_commands(commands)
     return parser
@@ -297,6 +309,26 @@ def _build_tiny_model(options: argparse.Namespace) -> int:
     if options.seed is not None:
         overrides["seed"] = options.seed
     print(build_tiny_model(options.out_dir, **overrides))
+    return EXIT_OK
+
+
+def _export_merged(options: argparse.Namespace) -> int:
+    from twinkle_client import TwinkleClient, TwinkleClientError  # deferred: only this command needs the client
+
+    if not options.api_key:
+        print("export-merged needs an API key: pass --api-key or set TWINKLE_SERVER_TOKEN.", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with TwinkleClient(options.base_url, options.api_key) as client:
+            export = client.export_merged(options.path)
+            directory = client.download_merged(options.path, options.out_dir, overwrite=options.overwrite)
+    except TwinkleClientError as error:
+        print(f"export-merged: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    checks = export.export
+    print(f"{directory}: {export.status}, largest logprob difference {checks.get('max_abs_diff', float('nan')):.2g} "
+          f"(tolerance {checks.get('tolerance', float('nan')):g}), {export.size_bytes / 1e6:.1f} MB in "
+          f"{len(export.files)} files")
     return EXIT_OK
 
 

@@ -277,3 +277,10 @@ def test_launch_passes_v_on_to_the_launcher(monkeypatch: pytest.MonkeyPatch) -> 
     main(["launch", "-c", str(SEED), "--only", "api", "-v"])
 
     assert [call["verbose"] for call in calls] == [False, True]
+
+
+def test_export_merged_without_an_api_key_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("TWINKLE_SERVER_TOKEN", raising=False)
+    assert main(["export-merged", "twinkle://r/weights/a", "out"]) == 2
+    assert "needs an API key" in capsys.readouterr().err
