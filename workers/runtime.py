@@ -27,7 +27,7 @@ from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
 from twinkle.run_metrics import RunMetrics
-from twinkle.telemetry import record_usage, task_finished, task_started
+from twinkle.telemetry import annotate_op_span, record_usage, task_finished, task_started
 from twinkle.usage import SAVE_OPS, UsageLedger, amounts_for
 from workers.clock import Clock, FusedRunner, Job
 
@@ -87,6 +87,7 @@ class PoolRuntime:
         if rec.state.terminal:
             log.info("duplicate delivery of %s %s ignored", op, request_id)
             return
+        annotate_op_span(rec)
         if rec.state is FutureStatus.RUNNING:
             # It was running when its worker died: whatever it did to the adapter is lost.
             self._fail(rec, self._lost(rec.model_id, model))

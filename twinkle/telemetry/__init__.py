@@ -7,6 +7,7 @@ optional `telemetry` extra. Metric and span names follow the seed's "可观测�
 
 from twinkle.telemetry.gateway import link_future, record_rate_limit_rejection, setup_api_telemetry, submit_trace
 from twinkle.telemetry.worker import (
+    annotate_op_span,
     op_span,
     record_usage,
     setup_worker_telemetry,
@@ -16,6 +17,7 @@ from twinkle.telemetry.worker import (
 )
 
 __all__ = [
+    "annotate_op_span",
     "link_future",
     "op_span",
     "record_rate_limit_rejection",

@@ -117,6 +117,13 @@ def task_started(rec: Any) -> None:
         state.started[rec.request_id] = time.perf_counter()
     if rec.created_at:
         state.instruments.task_wait.record(max(0.0, time.time() - rec.created_at), _metric_attributes(state, rec))
+
+
+def annotate_op_span(rec: Any) -> None:
+    """Name the op's tenant and queue on its task's span. Called from the task's own thread: the op may begin
+    in another one (a model pool's scheduler thread), where this span is not the current one."""
+    if _state is None:
+        return
     from opentelemetry import trace
 
     span = trace.get_current_span()
