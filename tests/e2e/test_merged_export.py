@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
-from tinker import types
 
+from tests.e2e import test_weight_export as export_test
+from tests.e2e.test_weight_export import datum
 from tests.harness import LaunchedServer
 from twinkle.auth import tenant_id
 from twinkle_client import TwinkleClient
@@ -29,19 +30,8 @@ KEY = "tml-merged-e2e"
 TOKENS = [7 + (i * 5) % 90 for i in range(20)]
 
 
-def datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
-
-
 def trained_client(server: LaunchedServer, steps: int = 2) -> tinker.TrainingClient:
-    service = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
-    tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
-    for _ in range(steps):
-        fb = tc.forward_backward([datum(TOKENS)], "cross_entropy")
-        tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
-        fb.result()
-    return tc
+    return export_test.trained_client(server, steps, key=KEY, tokens=TOKENS)
 
 
 def status_of(url: str) -> int:

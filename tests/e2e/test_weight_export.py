@@ -39,11 +39,12 @@ def datum(tokens: list[int]) -> types.Datum:
                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
 
 
-def trained_client(server: LaunchedServer, steps: int = 2) -> tinker.TrainingClient:
-    service = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+def trained_client(server: LaunchedServer, steps: int = 2, *, key: str = KEY,
+                   tokens: list[int] = TOKENS) -> tinker.TrainingClient:
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=key)
     tc = service.create_lora_training_client(base_model=BASE, rank=8).result()
     for _ in range(steps):
-        fb = tc.forward_backward([datum(TOKENS)], "cross_entropy")
+        fb = tc.forward_backward([datum(tokens)], "cross_entropy")
         tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
         fb.result()
     return tc
