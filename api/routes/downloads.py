@@ -181,11 +181,7 @@ async def download_merged_file(run_id: str, kind: str, name: str, file_path: str
     ref = _ref(run_id, kind, name)
     _signer(ctx).verify(tenant, _merged_subject(ref, file_path), expires, signature)
     directory, _ = await asyncio.to_thread(_merged, ctx, tenant, ref)
-    path = directory / file_path
-    if (file_path in _MERGED_EXCLUDED or path.is_symlink() or not path.is_file()
-            or not path.resolve().is_relative_to(directory.resolve())):
-        raise NotFound(f"{file_path} is not a file of the merged export of {ref.uri()}.")
-    return FileResponse(path, media_type="application/octet-stream", filename=Path(file_path).name)
+    return _file_response(directory, file_path, _MERGED_EXCLUDED, f"the merged export of {ref.uri()}")
 
 
 @router.get("/downloads/{run_id}/{kind}/{name}/merged/archive.tar", name="download_merged_archive")
@@ -194,11 +190,8 @@ async def download_merged_archive(run_id: str, kind: str, name: str, ctx: Ctx,
     ref = _ref(run_id, kind, name)
     _signer(ctx).verify(tenant, _merged_subject(ref, "archive.tar"), expires, signature)
     directory, _ = await asyncio.to_thread(_merged, ctx, tenant, ref)
-    stream = await asyncio.to_thread(TarStream, directory, f"{ref.name}-merged", exclude=_MERGED_EXCLUDED)
-    filename = f"{ref.run_id}-{ref.kind}-{ref.name}-merged.tar".replace(":", "_")
-    return StreamingResponse(stream.chunks(), media_type="application/x-tar", headers={
-        "Content-Length": str(stream.content_length),
-        "Content-Disposition": f'attachment; filename="{filename}"'})
+    return await _tar_response(directory, f"{ref.name}-merged", _MERGED_EXCLUDED,
+                               f"{ref.run_id}-{ref.kind}-{ref.name}-merged.tar")
 
 
 @router.get("/downloads/{run_id}/{kind}/{name}/files/{file_path:path}", name="download_file")
@@ -207,12 +200,7 @@ async def download_file(run_id: str, kind: str, name: str, file_path: str, ctx: 
     ref = _ref(run_id, kind, name)
     _signer(ctx).verify(tenant, f"{ref.uri()}/{file_path}", expires, signature)
     directory = ctx.checkpoints.existing(tenant, ref)
-    path = directory / file_path
-    # the signature covers the path, but never serve outside the checkpoint or its bookkeeping file
-    if (file_path in _EXCLUDED or path.is_symlink() or not path.is_file()
-            or not path.resolve().is_relative_to(directory.resolve())):
-        raise NotFound(f"{file_path} is not a file of checkpoint {ref.uri()}.")
-    return FileResponse(path, media_type="application/octet-stream", filename=Path(file_path).name)
+    return _file_response(directory, file_path, _EXCLUDED, f"checkpoint {ref.uri()}")
 
 
 @router.get("/downloads/{run_id}/{kind}/{name}/archive.tar", name="download_archive")
@@ -221,8 +209,22 @@ async def download_archive(run_id: str, kind: str, name: str, ctx: Ctx,
     ref = _ref(run_id, kind, name)
     _signer(ctx).verify(tenant, f"{ref.uri()}/archive.tar", expires, signature)
     directory = ctx.checkpoints.existing(tenant, ref)
-    stream = await asyncio.to_thread(TarStream, directory, ref.name, exclude=_EXCLUDED)
-    filename = f"{ref.run_id}-{ref.kind}-{ref.name}.tar".replace(":", "_")
+    return await _tar_response(directory, ref.name, _EXCLUDED, f"{ref.run_id}-{ref.kind}-{ref.name}.tar")
+
+
+def _file_response(directory: Path, file_path: str, excluded: frozenset[str], what: str) -> FileResponse:
+    """One file of a checkpoint or export directory. The signature covers the path, but never serve outside the
+    directory, through a link, or its bookkeeping file."""
+    path = directory / file_path
+    if (file_path in excluded or path.is_symlink() or not path.is_file()
+            or not path.resolve().is_relative_to(directory.resolve())):
+        raise NotFound(f"{file_path} is not a file of {what}.")
+    return FileResponse(path, media_type="application/octet-stream", filename=Path(file_path).name)
+
+
+async def _tar_response(directory: Path, base: str, excluded: frozenset[str], filename: str) -> StreamingResponse:
+    """The directory as a tar streamed under `base/`, its length known up front."""
+    stream = await asyncio.to_thread(TarStream, directory, base, exclude=excluded)
     return StreamingResponse(stream.chunks(), media_type="application/x-tar", headers={
         "Content-Length": str(stream.content_length),
-        "Content-Disposition": f'attachment; filename="{filename}"'})
+        "Content-Disposition": f'attachment; filename="{filename.replace(":", "_")}"'})

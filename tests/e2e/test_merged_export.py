@@ -19,7 +19,7 @@ import pytest
 import tinker
 
 from tests.e2e import test_weight_export as export_test
-from tests.e2e.test_weight_export import datum
+from tests.e2e.test_weight_export import datum, status_of
 from tests.harness import LaunchedServer
 from twinkle.auth import tenant_id
 from twinkle_client import TwinkleClient
@@ -32,14 +32,6 @@ TOKENS = [7 + (i * 5) % 90 for i in range(20)]
 
 def trained_client(server: LaunchedServer, steps: int = 2) -> tinker.TrainingClient:
     return export_test.trained_client(server, steps, key=KEY, tokens=TOKENS)
-
-
-def status_of(url: str) -> int:
-    try:
-        urllib.request.urlopen(url, timeout=30).close()
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    return 200
 
 
 @pytest.mark.slow
