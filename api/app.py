@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 from redis.asyncio.retry import Retry
@@ -25,6 +26,7 @@ from api.context import ApiContext
 from api.finite_json import FiniteJSONResponse
 from api.hub import FutureHub
 from api.key_share import KeyShare
+from api.long_poll import LongPolls
 from api.openai import routes as openai_routes
 from api.quotas import QuotaGate
 from api.ratelimit import RateLimiter
@@ -48,6 +50,7 @@ from twinkle.celery_app import make_celery
 from twinkle.checkpoints import CheckpointStore
 from twinkle.export_store import ExportStore
 from twinkle.keys import Keys
+from twinkle.queue_timeouts import QueueTimeoutSweep, timeouts_by_queue
 from twinkle.server import verbosity
 from twinkle.telemetry import setup_api_telemetry
 
@@ -90,7 +93,9 @@ def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30
     celery = make_celery(broker_url, events=config.flower.enabled)
     catalog = Catalog(config)
     store = Store(r, keys, celery, future_ttl=config.storage.future_ttl_seconds, session_ttl=session_ttl,
-                  backlog_windows=catalog.backlog_windows)
+                  backlog_windows=catalog.backlog_windows,
+                  direct_send=not (config.flower.enabled or config.telemetry.enabled))  # both hook Celery's publish
+    store.lost.queue_timeouts = timeouts_by_queue(config, catalog)  # a queued record read past it fails
     auth = KeyChecker(set(config.auth.api_keys), config.auth.keys_file, admin_hashes=set(config.auth.admin_keys),
                       tenancy=config.tenancy)
     return ApiContext(config=config, store=store, hub=FutureHub(r, keys), catalog=catalog, keys=keys, auth=auth,
@@ -110,6 +115,9 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await ctx.store.refresh_broker_identity()
         await ctx.hub.start()
+        # ops past their queue_timeout fail while still queued, behind a frozen worker too (one API process a round)
+        sweeping = QueueTimeoutSweep(redis.Redis.from_url(broker_url, socket_timeout=REDIS_SOCKET_SECONDS), ctx.keys,
+                                     ctx.store.lost.queue_timeouts, ttl=config.storage.future_ttl_seconds).start()
         # What start-up built lives as long as the process: out of the collector's sight, a full collection
         # scans only what requests made (tens of ms less per pass under load).
         gc.collect()
@@ -119,6 +127,7 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
             log.log(logging.INFO if said else logging.WARNING,
                     "no API keys configured: DEV MODE, every key is accepted as its own tenant")
         yield
+        sweeping.set()
         await ctx.hub.close()
         await ctx.store.r.aclose()
 
@@ -127,12 +136,15 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
     app.state.ctx = ctx
     errors.install(app)
     prefix = api_prefix(config)
-    for module in (session, training, sampling, futures, rest, exports, imports, downloads, tokenizer, twinkle,
+    # Routes are matched in order, one at a time: the ones every op calls first (the long-poll, the compute submits).
+    for module in (futures, training, sampling, session, rest, exports, imports, downloads, tokenizer, twinkle,
                    usage):
         app.include_router(module.router, prefix=prefix)
     app.include_router(openai_routes.router)  # /v1/...: where OpenAI clients look, whatever the prefix
     app.include_router(console_routes.router)  # /console
     setup_api_telemetry(app, config)
+    # innermost: parks retrieve_future polls after the body checks, before the framework builds a request
+    app.add_middleware(LongPolls, ctx=ctx, path=f"{prefix}/retrieve_future")
     app.add_middleware(BodyLimit, max_bytes=config.storage.max_request_bytes,
                        max_control_bytes=config.storage.max_control_request_bytes,
                        max_upload_bytes=config.storage.max_adapter_upload_bytes)

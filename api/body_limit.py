@@ -55,18 +55,19 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        # Headers are looked up, not copied into a dict: this frame stays alive as long as the request (a parked
+        # long-poll for minutes, thousands at once).
         limit = self.limit_for(scope["path"])
-        declared = headers.get("content-length", "")
+        declared = _header(scope, b"content-length") or ""
         if declared.isdigit() and int(declared) > limit:
-            await _refuse_too_large(send, headers, limit, int(declared), scope["path"])
+            await _refuse_too_large(send, scope, limit, int(declared))
             return
-        if _is_json(headers) and not _is_upload(scope["path"]):
-            await self._json(scope, receive, send, headers, limit)
+        if _is_json(scope) and not _is_upload(scope["path"]):
+            await self._json(scope, receive, send, limit)
         else:
-            await self._streamed(scope, receive, send, headers, limit)
+            await self._streamed(scope, receive, send, limit)
 
-    async def _json(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str], limit: int) -> None:
+    async def _json(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -75,7 +76,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _refuse_too_large(send, headers, limit, None, scope["path"])
+                await _refuse_too_large(send, scope, limit, None)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -83,7 +84,7 @@ class BodyLimit:
         body = b"".join(chunks)
         del chunks
         if nests_deeper_than(body, self.max_depth):
-            await _refuse(send, headers, 400, "invalid_request", f"The JSON body nests deeper than {self.max_depth} "
+            await _refuse(send, scope, 400, "invalid_request", f"The JSON body nests deeper than {self.max_depth} "
                           "levels. Flatten the nested lists and objects; no field of this API nests that deep.")
             return
         delivered = False
@@ -98,8 +99,7 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _streamed(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str],
-                        limit: int) -> None:
+    async def _streamed(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         size, over = 0, False
 
         async def counted() -> Message:
@@ -122,13 +122,22 @@ class BodyLimit:
             if not over:
                 raise
         if over:
-            await _refuse_too_large(send, headers, limit, None, scope["path"])
+            await _refuse_too_large(send, scope, limit, None)
 
 
-def _is_json(headers: dict[str, str]) -> bool:
-    if headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+def _header(scope: Scope, name: bytes) -> str | None:
+    """The last value of header `name` (lower case)."""
+    found = None
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            found = value
+    return None if found is None else bytes(found).decode("latin-1")
+
+
+def _is_json(scope: Scope) -> bool:
+    if (_header(scope, b"content-encoding") or "identity").strip().lower() not in ("", "identity"):
         return False  # compressed: the route decompresses, bounded, and checks the depth itself
-    kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    kind = (_header(scope, b"content-type") or "").split(";", 1)[0].strip().lower()
     return not kind or kind == "application/json" or kind.endswith("+json")
 
 
@@ -136,17 +145,17 @@ def _is_upload(path: str) -> bool:
     return path.rstrip("/").endswith(UPLOAD_ROUTES)
 
 
-async def _refuse_too_large(send: Send, headers: dict[str, str], limit: int, declared: int | None,
-                            path: str = "") -> None:
+async def _refuse_too_large(send: Send, scope: Scope, limit: int, declared: int | None) -> None:
+    path = scope["path"]
     size = f"{declared} bytes" if declared is not None else "more than that"
     what = ("Upload a smaller adapter (the operator sets the limit: storage.max_adapter_upload_bytes)."
             if _is_upload(path) else "Send smaller requests (split a batch into chunks).")
-    await _refuse(send, headers, 413, "payload_too_large", f"The request body is {size}; this route accepts at "
+    await _refuse(send, scope, 413, "payload_too_large", f"The request body is {size}; this route accepts at "
                   f"most {limit} bytes. {what}")
 
 
-async def _refuse(send: Send, headers: dict[str, str], status: int, code: str, message: str) -> None:
-    rid = headers.get("x-request-id") or uuid.uuid4().hex[:16]
+async def _refuse(send: Send, scope: Scope, status: int, code: str, message: str) -> None:
+    rid = _header(scope, b"x-request-id") or uuid.uuid4().hex[:16]
     body = json.dumps({"error": message, "category": "user", "code": code, "request_id": rid}).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

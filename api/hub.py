@@ -34,13 +34,42 @@ READ_BATCH = 500  # records per script call in a re-read
 
 
 class Waiter:
-    """One parked long-poll: an event the hub sets when the future may have changed."""
+    """One parked long-poll, woken when its future may have changed (by the hub) or its time ran out.
 
-    __slots__ = ("request_id", "woken")
+    Not an asyncio.Event: thousands are parked at once, and an Event keeps a dict and a deque of waiters
+    (about 0.9 KB) where one waiting coroutine needs a flag and, while it waits, one future.
+    """
+
+    __slots__ = ("_wakeup", "expired", "request_id", "woken")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.woken = asyncio.Event()
+        self.woken = False  # since the last clear()
+        self.expired = False
+        self._wakeup: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        self.woken = True
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    def expire(self) -> None:
+        """The long-poll's time ran out: wake it for good."""
+        self.expired = True
+        self.wake()
+
+    def clear(self) -> None:
+        self.woken = False
+
+    async def wait(self) -> None:
+        """Until woken; at once if it was since the last clear(). One coroutine waits at a time."""
+        if self.woken:
+            return
+        self._wakeup = asyncio.get_running_loop().create_future()
+        try:
+            await self._wakeup
+        finally:
+            self._wakeup = None
 
 
 def _glob_escape(text: str) -> str:
@@ -91,7 +120,7 @@ class FutureHub:
 
     def _wake(self, request_id: str) -> None:
         for waiter in self._waiters.get(request_id, ()):
-            waiter.woken.set()
+            waiter.wake()
 
     # -- the subscription ----------------------------------------------------------------------
 

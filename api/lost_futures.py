@@ -8,6 +8,10 @@ also in the pool's heartbeat, which names the op its worker is executing. Found:
 run_id and is never checked again. Not found twice, half a second apart (the gap between a worker's BRPOP and
 its unacked write): the record is failed, once, atomically, so that a waiting long-poll wakes up. A record
 that vanished with the broker is the Store's concern (its id's timestamp predates the broker's start).
+
+A queued record past its queue's queue_timeout (`queue_timeouts`) fails with code `queue_timeout` when read,
+as the API's sweep would (twinkle.queue_timeouts): that also covers a message no place holds any more (a frozen
+worker's consumer popped it into its socket) while its worker is not yet replaced.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import time
 import redis.asyncio as aioredis
 
 from twinkle.backlog import BacklogKeys
-from twinkle.broker import UNACKED
+from twinkle.broker import UNACKED, handover_key
 from twinkle.futures import FutureRecord, FutureStatus
 from twinkle.keys import Keys
+from twinkle.queue_timeouts import MARGIN_SECONDS, queue_timeout_error
+from twinkle.queued_ops import FAIL_QUEUED, Failure, fail_arguments
 
 RECHECK_SECONDS = 0.5
 LOST_ERROR = ("The server's queue (Redis) restarted and lost this request before it ran. Submit it again; "
@@ -33,6 +39,8 @@ class LostFutures:
         self.r = r
         self.keys = keys
         self._fail_script = r.register_script(_FAIL_IF_UNCHANGED)
+        self._fail_queued = r.register_script(FAIL_QUEUED)
+        self.queue_timeouts: dict[str, float] = {}  # pool queue -> its queue_timeout (absent or 0: forever)
 
     async def check(self, record: FutureRecord, broker_run_id: str, *, broker_started_at: float = 0.0
                     ) -> FutureRecord:
@@ -46,6 +54,8 @@ class LostFutures:
         killed or frozen between popping a message and recording it as unacked took the message with it."""
         if record.state.terminal:
             return record
+        if record.state is FutureStatus.QUEUED and self._past_queue_timeout(record):
+            return await self._time_out(record)
         if not record.broker_run_id or not broker_run_id or record.broker_run_id == broker_run_id:
             if record.state is not FutureStatus.QUEUED:
                 return record
@@ -72,9 +82,25 @@ class LostFutures:
                     return fresh  # it moved on (a worker took it, or it finished)
         return await self._fail(record)
 
+    def _past_queue_timeout(self, record: FutureRecord) -> bool:
+        timeout = self.queue_timeouts.get(record.queue, 0.0)
+        return timeout > 0 and record.created_at > 0 and time.time() - record.created_at > timeout + MARGIN_SECONDS
+
+    async def _time_out(self, record: FutureRecord) -> FutureRecord:
+        timeout = self.queue_timeouts[record.queue]
+        error = queue_timeout_error("{op}", "{waited}", record.queue, timeout)  # filled in by the script
+        keys, args = fail_arguments(self.keys, [record.request_id], Failure(str(error), error.code, error.category),
+                                    created_before=time.time() - timeout - MARGIN_SECONDS)
+        await self._fail_queued(keys=keys, args=args)
+        raw = await self.r.hgetall(self.keys.future(record.request_id))
+        return FutureRecord.from_hash(raw) if raw else record
+
     async def _message_found(self, record: FutureRecord, broker_started_at: float = 0.0) -> bool | None:
         needle = record.request_id.encode()
-        queued = await self.r.lrange(record.queue, 0, -1) if record.state is FutureStatus.QUEUED else []
+        queued = []
+        if record.state is FutureStatus.QUEUED:  # in its queue, or popped and not yet recorded (workers/handover.py)
+            queued = [*await self.r.lrange(record.queue, 0, -1),
+                      *await self.r.lrange(handover_key(record.queue), 0, -1)]
         if any(needle in raw for raw in queued):
             return True
         if record.state is FutureStatus.QUEUED:  # parked in its key's backlog, not yet sent (twinkle.backlog)

@@ -46,7 +46,7 @@ def ray_address() -> Iterator[str]:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     ray.init(num_cpus=6, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             namespace="twinkle_cluster")
+             namespace="twinkle_cluster", resources={"twinkle_test_node": 4})  # for ray_actor_options tests
     yield str(ray.get_runtime_context().gcs_address)
     ray.shutdown()
 
@@ -61,3 +61,10 @@ def redis_keys() -> Iterator[tuple[redis.Redis, Keys]]:
     for key in r.scan_iter(match=keys.root + "*"):
         r.delete(key)
     r.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that drives Chromium (`make test SKIP_BROWSER=1` deselects them)."""
+    for item in items:
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)

@@ -32,3 +32,10 @@ def test_make_test_installs_the_development_extras(tmp_path: Path) -> None:
     (line,) = planned_installs("test", tmp_path / "venv")
 
     assert "dev" in line.split(".[", 1)[1]
+
+
+def test_make_test_with_skip_browser_installs_no_chromium_and_deselects_the_browser_tests(tmp_path: Path) -> None:
+    done = subprocess.run(["make", "-n", "test", f"VENV={tmp_path / 'venv'}", "SKIP_BROWSER=1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=30, check=True)
+    assert "apt-get" not in done.stdout
+    assert '-m "not browser"' in done.stdout.splitlines()[-1]

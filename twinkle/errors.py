@@ -10,14 +10,16 @@
     │   ├── RateLimited               over a rate or token limit; retry later (429)
     │   ├── LimitExceeded             a hard quota (models per key, LoRA slots) (429)
     │   ├── QuotaExceeded             a tier's quota (tokens, pool time, training runs); not retried (403)
-    │   └── AdapterGone               the adapter was unloaded (idle, lifetime, explicit) (404)
+    │   ├── AdapterGone               the adapter was unloaded (idle, lifetime, explicit) (404)
+    │   └── LaunchAlreadyRuns         a running launch on this machine already runs these pool replicas
     └── ServerError                   Twinkle or its infrastructure failed (HTTP 5xx, category "server")
         ├── AdapterStateLost          a worker crashed and the adapter's in-memory state is gone
         ├── BrokerUnavailable         Redis/Valkey cannot be reached (503)
         ├── BackendFailure            the model backend raised unexpectedly
         ├── StorageFailure            the checkpoint disk is full, read-only or not writable (507)
         ├── ExportStoreFailure        the S3-compatible export store is unreachable or refuses access (502)
-        └── ExportVerificationFailed  a merged export does not reproduce its checkpoint's logprobs (409)
+        ├── ExportVerificationFailed  a merged export does not reproduce its checkpoint's logprobs (409)
+        └── PoolLeaseHeld             another worker consumes this pool's queue (a pool worker refuses to start)
 
 Errors cross process boundaries (Celery, Redis blobs), so each one pickles with its fields intact.
 """
@@ -137,6 +139,13 @@ class AdapterGone(UserError):
     code = "adapter_gone"
 
 
+class LaunchAlreadyRuns(UserError):
+    """Raised when `twinkle-server launch` would start pool replicas that a running launch on this machine runs:
+    a second consumer of a queue would take messages the first one holds."""
+
+    code = "launch_already_runs"
+
+
 class ServerError(TwinkleError):
     """Raised when Twinkle, not the caller, is at fault."""
 
@@ -181,6 +190,13 @@ class ExportVerificationFailed(ServerError):
 
     status_code = 409
     code = "export_verification_failed"
+
+
+class PoolLeaseHeld(ServerError):
+    """Raised when a pool worker starts while another live worker holds its queue's lease (twinkle/pool_lease.py):
+    two consumers of one queue would split an adapter's ops between two copies of its state."""
+
+    code = "pool_lease_held"
 
 
 class OpTimedOut(BackendFailure):

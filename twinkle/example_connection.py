@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 API_PREFIX = "/api/v1"
-START_HINT = "bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml"
+START_HINT = "bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml"  # the Quick start's server
 HEALTH_TIMEOUT_SECONDS = 5.0
 
 
@@ -31,7 +31,7 @@ def require_server(base_url: str) -> None:
         reply = httpx.get(url, timeout=HEALTH_TIMEOUT_SECONDS)
     except httpx.HTTPError:
         local = httpx.URL(url).host in ("127.0.0.1", "localhost", "::1", "0.0.0.0")
-        start = f"start one with `{START_HINT}` (see the README's Cookbook section), or " if local else ""
+        start = f"start one with `{START_HINT}` (the README's Quick start), or " if local else ""
         raise SystemExit(f"no Twinkle server at {base_url} — {start}point --base-url / TWINKLE_SERVER_URL at a "
                          "running one") from None
     if reply.status_code != 200:

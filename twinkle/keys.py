@@ -131,3 +131,13 @@ class Keys:
     def pool_lora_modules(self, app: str) -> str:
         """JSON of the linear layers (name -> [out, in]) a transformers pool's model has, for adapter imports."""
         return f"{self.root}pool:{app}:lora_modules"
+
+    def pool_lease(self, queue: str) -> str:
+        """Hash naming the one worker that may consume a pool queue (host, pid, since, token); it expires unless
+        its holder renews it (twinkle/pool_lease.py)."""
+        return f"{self.root}pool:{queue}:lease"
+
+    def pool_lease_fence(self, queue: str) -> str:
+        """The token of the latest worker to take a pool queue's lease; no expiry. A worker whose token it is not
+        writes no outcome of an op (twinkle/pool_lease.py)."""
+        return f"{self.root}pool:{queue}:lease:fence"

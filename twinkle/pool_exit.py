@@ -14,6 +14,7 @@ class PoolExit(IntEnum):
     RANK_DIED = 75  #: a rank actor of the pool's Ray device group died
     HUNG = 76  #: an op ran past queue_config.execution_timeout
     START_FAILED = 77  #: it could not start (its model did not load, ...); the cause is in its cause file
+    LEASE_LOST = 78  #: another worker took its queue's lease (twinkle/pool_lease.py); a restart waits for that one
 
     @property
     def reason(self) -> str:
@@ -24,6 +25,7 @@ _REASONS = {
     PoolExit.RANK_DIED: "a rank of its Ray device group died",
     PoolExit.HUNG: "an op ran past its execution_timeout",
     PoolExit.START_FAILED: "it failed to start",
+    PoolExit.LEASE_LOST: "another worker took over its pool queue; a restart is refused while that one holds it",
 }
 
 

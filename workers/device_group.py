@@ -30,6 +30,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from twinkle.backends.data_parallel import DataParallelBackend, RankZeroSampler
+from twinkle.config.deployment import RayActorOptions
 from twinkle.config.parallelism import device_group_size
 from twinkle.errors import TwinkleError
 from twinkle.pool_exit import PoolExit
@@ -61,12 +62,44 @@ def connect(config: Any, *, local_cpus: int) -> None:
     log.info("started a local Ray instance for this pool (%d CPUs)", max(local_cpus, os.cpu_count() or 1))
 
 
-def bundle_for(device_type: str) -> dict[str, float]:
+def bundle_for(device_type: str, actor_options: RayActorOptions | None = None) -> dict[str, float]:
+    """What each rank reserves: one CPU and one device of its type, unless the deployment's
+    `ray_actor_options` say otherwise (more CPUs for data loading, a GPU fraction, memory, or a custom resource
+    that pins the ranks to the nodes offering it)."""
+    bundle: dict[str, float] = {"CPU": 1}
     if device_type == "cuda":
-        return {"CPU": 1, "GPU": 1}
-    if device_type == "npu":
-        return {"CPU": 1, "NPU": 1}
-    return {"CPU": 1}
+        bundle["GPU"] = 1
+    elif device_type == "npu":
+        bundle["NPU"] = 1
+    if actor_options is None:
+        return bundle
+    if actor_options.num_cpus is not None:
+        bundle["CPU"] = actor_options.num_cpus
+    if actor_options.num_gpus is not None and device_type == "cuda":
+        bundle["GPU"] = actor_options.num_gpus
+    if actor_options.memory is not None:
+        bundle["memory"] = actor_options.memory
+    bundle.update(actor_options.resources)
+    return {name: amount for name, amount in bundle.items() if amount > 0}
+
+
+def actor_options_for(bundle: dict[str, float]) -> dict[str, Any]:
+    """The rank actor's own reservation: all of its bundle (Ray's names for the built-in resources)."""
+    options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0)}
+    if "memory" in bundle:
+        options["memory"] = bundle["memory"]
+    custom = {name: amount for name, amount in bundle.items() if name not in ("CPU", "GPU", "memory")}
+    if custom:
+        options["resources"] = custom
+    return options
+
+
+def rank_actor_options(app: Any) -> RayActorOptions | None:
+    """The first deployment's `ray_actor_options`, where the config sets any."""
+    for deployment in app.deployments or []:
+        if deployment.ray_actor_options.model_fields_set:
+            return deployment.ray_actor_options  # type: ignore[no-any-return]
+    return None
 
 
 def placement_strategy(ranks: int, nproc_per_node: int) -> str:
@@ -99,10 +132,10 @@ class RayDeviceGroup:
 
     @classmethod
     def start(cls, args: Any, label: str, env_vars: dict[str, str],
-              on_death: Callable[[str], None]) -> RayDeviceGroup:
+              on_death: Callable[[str], None], actor_options: RayActorOptions | None = None) -> RayDeviceGroup:
         ranks = device_group_size(args.device_mesh)
         device_type = args.device_group.device_type
-        bundle = bundle_for(device_type)
+        bundle = bundle_for(device_type, actor_options)
         strategy = placement_strategy(ranks, args.nproc_per_node)
         pg = placement_group([dict(bundle) for _ in range(ranks)], strategy=strategy,
                              name=f"twinkle-{label}-{os.getpid()}")
@@ -113,9 +146,7 @@ class RayDeviceGroup:
                 f"Ray could not reserve {ranks} x {bundle} ({strategy}) for {label} within "
                 f"{PLACEMENT_TIMEOUT_SECONDS:g} s; the cluster has {ray.available_resources()} free. "
                 "Add nodes (ray start --address ...) or lower device_group.ranks.") from None
-        options: dict[str, Any] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)}
-        if "NPU" in bundle:
-            options["resources"] = {"NPU": bundle["NPU"]}
+        options = actor_options_for(bundle)
         if env_vars:
             options["runtime_env"] = {"env_vars": env_vars}
         actors = [
@@ -206,7 +237,7 @@ def start_device_group(config: Any, app: Any, label: str,
     args = app.args
     started = time.perf_counter()
     connect(config, local_cpus=device_group_size(args.device_mesh))
-    group = RayDeviceGroup.start(args, label, _actor_env(app), on_death)
+    group = RayDeviceGroup.start(args, label, _actor_env(app), on_death, rank_actor_options(app))
     assert group.info is not None
     backend = DataParallelBackend(group, dp_size=args.device_mesh.dp_size, info=group.info, spmd=group.spmd)
     log.info("device group %s ready in %.1f s", label, time.perf_counter() - started)

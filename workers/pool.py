@@ -26,9 +26,11 @@ from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.celery_app import make_celery, task_name
 from twinkle.checkpoints import CheckpointStore
 from twinkle.config import load_config
+from twinkle.errors import PoolLeaseHeld
 from twinkle.futures import Op
 from twinkle.keys import Keys
 from twinkle.pool_exit import PoolExit
+from twinkle.pool_lease import PoolLease, client_for
 from twinkle.server import startup, verbosity
 from twinkle.telemetry import op_span, setup_worker_telemetry
 from twinkle.usage import UsageLedger
@@ -63,7 +65,8 @@ def queue_for(app: Any, replica: int) -> str:
     return processor_queue(app.name)
 
 
-def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Keys) -> PoolRuntime:
+def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Keys,
+                  lease: PoolLease | None = None) -> PoolRuntime:
     queue = queue_for(app, replica)
     store = CheckpointStore(config.storage.checkpoint_dir)
     ttl = config.storage.future_ttl_seconds
@@ -76,7 +79,7 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
         model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys, queue, exports=ExportSettings(
             args.backend, args.model_id, args.export, getattr(backend, "compute_dtype", None) or args.torch_dtype))
         runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=ttl,
-                              has_adapter=backend.has_adapter, queue_timeout=queue_timeout(args))
+                              has_adapter=backend.has_adapter, queue_timeout=queue_timeout(args), lease=lease)
         if args.clock.enabled or args.scheduling.policy == "fair":
             runtime.use_clock(backend, args.clock, args.scheduling, after_fused=model_handlers.residency.publish)
         adapters = args.adapter_config
@@ -94,13 +97,13 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
         sampler = build_sampler(args.model_id, args.sampler_type, max_loras=args.adapter_config.max_loras,
                                 engine_args=args.engine_args)
         runtime = PoolRuntime(r, keys, queue, SamplerPoolHandlers(
-            sampler, sampler_slots(args), r, fair=args.scheduling.policy == "fair").table(),
-                              future_ttl=ttl, serialize=False, queue_timeout=queue_timeout(args))
+            sampler, sampler_slots(app), r, fair=args.scheduling.policy == "fair").table(),
+                              future_ttl=ttl, serialize=False, queue_timeout=queue_timeout(args), lease=lease)
         info = sampler.info
         holder = sampler
     elif app.import_path == "processor":
         processor.warm_up()
-        runtime = PoolRuntime(r, keys, queue, processor.handlers(), future_ttl=ttl, serialize=False)
+        runtime = PoolRuntime(r, keys, queue, processor.handlers(), future_ttl=ttl, serialize=False, lease=lease)
         runtime.announce(keys.pool_info(app.name), json.dumps({"processes": args.ncpu_proc_per_node}))
         log.info("pool %s: ready", queue)
         return runtime
@@ -134,15 +137,17 @@ def queue_timeout(args: Any) -> float:
     return float(queue_config.queue_timeout) if queue_config is not None else 0.0
 
 
-def sampler_slots(args: Any) -> int:
-    """How many sample requests a sampler pool batches together."""
-    engine = getattr(args, "engine_args", None) or {}
-    return int(engine.get("max_num_seqs") or 16)  # vLLM's name for its batch size
+def sampler_slots(app: Any) -> int:
+    """How many sample requests a sampler pool batches together: vLLM's `max_num_seqs`, else the deployment's
+    `max_ongoing_requests` (the seed's name for what one replica handles at once), else 16."""
+    engine = getattr(app.args, "engine_args", None) or {}
+    ongoing = next((d.max_ongoing_requests for d in app.deployments or [] if d.max_ongoing_requests), None)
+    return int(engine.get("max_num_seqs") or ongoing or 16)
 
 
-def sampler_threads(args: Any) -> int:
+def sampler_threads(app: Any) -> int:
     """Sample requests a sampler pool holds: the batch, and the waiting ones fair share chooses from."""
-    return max(sampler_slots(args), args.scheduling.window)
+    return max(sampler_slots(app), app.args.scheduling.window)
 
 
 def _held_task_ids(runtime: PoolRuntime) -> set[str]:
@@ -154,8 +159,11 @@ def _held_task_ids(runtime: PoolRuntime) -> set[str]:
 
 
 def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime) -> None:
-    orphans = OrphanSweep(r, queue, lambda: _held_task_ids(runtime))
+    orphans = OrphanSweep(r, queue, lambda: _held_task_ids(runtime), lease=runtime.lease)
     while True:
+        if runtime.lease is not None and not runtime.lease.fresh():
+            time.sleep(HEARTBEAT_SECONDS)  # cut off or frozen past its lease: replaced, maybe; its renewal says
+            continue
         running = runtime.current
         try:
             pipe = r.pipeline(transaction=False)
@@ -203,12 +211,19 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     r = redis.Redis.from_url(url, retry=Retry(ExponentialBackoff(cap=2.0), BROKER_RETRIES),
                              retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     keys = Keys(config.persistence.key_prefix)
+    seconds = config.broker.pool_lease_seconds
+    lease = PoolLease(client_for(url, seconds), keys, queue_for(app, replica), seconds)
     try:
-        runtime = build_runtime(config, app, replica, r, keys)
+        lease.acquire()  # before the model loads: a second worker of this pool stops here, naming the first
+        lease.start_renewing()
+        lease.take_over_queue()
+        runtime = build_runtime(config, app, replica, r, keys, lease)
     except Exception as error:  # noqa: BLE001 - whatever stops the start, the launcher reports it in one line
         _exit_start_failed(queue_for(app, replica), error)
+    lease.check_on_resume()
     celery = make_celery(url, events=config.flower.enabled)
     celery.conf.worker_consumer = "workers.broker_link:QuickReconnectConsumer"
+    celery.conf.broker_transport = "workers.handover:HandoverTransport"  # no message only in this process's memory
     broker_link.tolerate_lost_acks()
     for op in Op:
         _register(celery, runtime, op)
@@ -226,7 +241,7 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     if app.import_path == "processor":
         pool = ["-P", "prefork", "-c", str(getattr(app.args, "ncpu_proc_per_node", 1))]
     elif app.import_path == "sampler":
-        pool = ["-P", "threads", "-c", str(sampler_threads(app.args))]  # stateless: batched, may reorder
+        pool = ["-P", "threads", "-c", str(sampler_threads(app))]  # stateless: batched, may reorder
     else:
         # One thread runs ops in delivery order; reserving the next message while an op runs saves the fetch
         # after each ack (2.5 ms of a training step). Both stay unacked, so a crash restores them in order.
@@ -239,12 +254,15 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
             pool = ["-P", "threads", "-c", str(clock.hold), "--prefetch-multiplier", "1"]
             task_received.connect(lambda request, **_: clock.arrived(
                 str(request.kwargs.get("request_id", "")), str(request.kwargs.get("model_id", ""))), weak=False)
-    celery.worker_main([
-        *([] if verbosity.verbose() else ["--quiet"]),  # the banner, unless `launch -v`
-        "worker", *pool, "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",
-        "--without-mingle", "--without-gossip", *(["-E"] if config.flower.enabled else []),
-        f"--loglevel={loglevel}",
-    ])
+    try:
+        celery.worker_main([
+            *([] if verbosity.verbose() else ["--quiet"]),  # the banner, unless `launch -v`
+            "worker", *pool, "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",
+            "--without-mingle", "--without-gossip", *(["-E"] if config.flower.enabled else []),
+            f"--loglevel={loglevel}",
+        ])
+    finally:
+        lease.release()  # a clean stop: the launcher's restart need not wait for the lease to expire
 
 
 def _exit_start_failed(queue: str, error: Exception) -> NoReturn:
@@ -252,7 +270,9 @@ def _exit_start_failed(queue: str, error: Exception) -> NoReturn:
     `launch -v` or when run on its own (the same traceback at every retry hides the cause)."""
     cause = startup.write_cause(error)
     if verbosity.verbose() or not os.environ.get(startup.ENV):
-        log.error("pool %s failed to start: %s", queue, cause, exc_info=error)
+        # a pool another worker holds: the line names it, a traceback would only bury it
+        log.error("pool %s failed to start: %s", queue, cause,
+                  exc_info=None if isinstance(error, PoolLeaseHeld) else error)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(PoolExit.START_FAILED)  # no interpreter teardown: a half-started Ray or model must not hang it
@@ -261,7 +281,7 @@ def _exit_start_failed(queue: str, error: Exception) -> NoReturn:
 def _register(celery: Any, runtime: PoolRuntime, op: Op) -> None:
     def task(request_id: str, model_id: str = "") -> None:
         with op_span(op, request_id, model_id):
-            runtime.execute(op, request_id)
+            runtime.execute(op, request_id, model_id)
 
     task.__name__ = op.value
     celery.task(name=task_name(op), ignore_result=True)(task)

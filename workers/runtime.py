@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,17 +23,24 @@ from twinkle import blobs
 from twinkle.backlog import BacklogRelease, Parked
 from twinkle.checkpoints import parse_checkpoint_path, storage_failure
 from twinkle.config.clock import ClockConfig, SchedulingConfig
-from twinkle.errors import AdapterGone, BackendFailure, QueueTimedOut, TwinkleError, lost_state_error
+from twinkle.errors import AdapterGone, BackendFailure, TwinkleError, lost_state_error
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
+from twinkle.pool_lease import PoolLease
+from twinkle.queue_timeouts import queue_timeout_error
+from twinkle.queued_ops import QueuedOps
 from twinkle.records import ModelRecord
 from twinkle.run_metrics import RunMetrics
 from twinkle.telemetry import annotate_op_span, record_usage, task_finished, task_started
 from twinkle.usage import SAVE_OPS, UsageLedger, amounts_for
 from workers.clock import Clock, FusedRunner, Job
+from workers.lost_adapters import LostAdapterOps
 
 log = logging.getLogger("twinkle.worker")
 UNFUSED_HANDOVER_MS = 2.0  # without clock cycles: how long a pick waits for ops delivered but not yet read
+LOST_RESWEEP_SECONDS = 10.0  # a lost adapter's waiting ops are failed together at most this often
+FENCED_OFF = -2  # what _BEGIN and _FINISH answer a worker whose pool lease another worker took
+ALREADY_ENDED = -3  # what _BEGIN answers for an op a sweep failed after the pool last read it
 
 Handler = Callable[[FutureRecord, Any], Any]
 
@@ -46,8 +54,9 @@ class RunningOp:
 class PoolRuntime:
     def __init__(self, r: redis.Redis, keys: Keys, queue: str, handlers: dict[str, Handler], *,
                  future_ttl: int, has_adapter: Callable[[str], bool] | None = None, serialize: bool = True,
-                 queue_timeout: float = 0) -> None:
+                 queue_timeout: float = 0, lease: PoolLease | None = None) -> None:
         self.r = r
+        self.lease = lease  # this worker's claim on the queue: a worker that lost it writes no outcome
         self.keys = keys
         self.queue = queue
         self.handlers = handlers
@@ -69,28 +78,37 @@ class PoolRuntime:
         self.usage_model = ""  # the base model's served name, the `model` of its usage records
         self.backlog: BacklogRelease | None = None  # set by the pool when keys' ops wait in backlogs (fair share)
         self.send: Callable[[Parked], None] | None = None  # sends a released op's message to this pool's queue
+        self._lost_swept: dict[str, float] = {}  # lost adapters whose waiting ops were failed together, and when
 
-    def execute(self, op: str, request_id: str) -> None:
+    def execute(self, op: str, request_id: str, model_id: str = "") -> None:
+        """Run one op; `model_id` is the one its message names (it saves a read), or "" when it names none."""
         try:
-            self._execute(op, request_id)
+            self._execute(op, request_id, model_id)
         finally:
             if self.clock is not None:
                 self.clock.leave(request_id)
 
-    def _execute(self, op: str, request_id: str) -> None:
-        raw, payload, model_raw = self._read(request_id)
+    def _execute(self, op: str, request_id: str, model_id: str = "") -> None:
+        raw, payload, model_raw = self._read(request_id, model_id)
         if not raw:
             log.warning("future %s is gone (expired?); dropping %s", request_id, op)
             return
         rec = FutureRecord.from_hash(raw)
         model = ModelRecord.from_hash(model_raw) if model_raw else None
         if rec.state.terminal:
+            # A redelivery, or an op failed while queued (queue_timeout, a lost adapter's backlog): no turn taken,
+            # and its key's next parked op may enter the queue now.
             log.info("duplicate delivery of %s %s ignored", op, request_id)
+            self._release_backlog(rec)
             return
         annotate_op_span(rec)
         if rec.state is FutureStatus.RUNNING:
-            # It was running when its worker died: whatever it did to the adapter is lost.
-            self._fail(rec, self._lost(rec.model_id, model))
+            # It was running when its worker died: whatever it did to the adapter is lost, and so is the adapter
+            # for the ops of it queued behind (none of them can have begun before this one).
+            lost = self._lost(rec.model_id, model)
+            if self.has_adapter is not None and rec.model_id and not self.has_adapter(rec.model_id):
+                self._fail_lost_adapters_waiting_ops(rec, lost)
+            self._fail(rec, lost)
             return
         started = time.perf_counter()
         timing = _Timing()
@@ -101,6 +119,10 @@ class PoolRuntime:
             result = self._run(op, rec, model, args, timing)
         except _Vanished:
             log.warning("future %s vanished from the broker (restarted?); %s not run", request_id, op)
+            return
+        except _EndedWhileHeld:
+            log.info("%s %s ended while this pool held it; not run", op, request_id)
+            self._release_backlog(rec)
             return
         except TwinkleError as exc:
             self._fail(rec, exc)
@@ -128,6 +150,7 @@ class PoolRuntime:
 
         def prepare() -> None:
             self._check_waited(op, rec)  # again at its turn: a pool holds many ops while it chooses between them
+            self._check_not_ended(rec)
             if not self._begin(rec):
                 raise _Vanished
             timing.began = True
@@ -212,14 +235,20 @@ class PoolRuntime:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _read(self, request_id: str) -> tuple[dict[Any, Any], bytes | None, dict[Any, Any]]:
+    def _read(self, request_id: str, model_id: str = "") -> tuple[dict[Any, Any], bytes | None, dict[Any, Any]]:
+        """The future record, its payload and its model's record: one round trip when the message named the model
+        the record names (every message the API and the backlogs send does), two otherwise."""
         pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(self.keys.future(request_id))
         pipe.get(self.keys.blob_in(request_id))
-        pipe.hget(self.keys.future(request_id), "model_id")
-        raw, payload, model_id = pipe.execute()
-        model_raw = self.r.hgetall(self.keys.model(model_id.decode())) if model_id else {}
-        return raw, payload, model_raw
+        if model_id:
+            pipe.hgetall(self.keys.model(model_id))
+        raw, payload, *named = pipe.execute()
+        recorded = raw.get(b"model_id", raw.get("model_id", b"")) if raw else b""
+        recorded = recorded.decode() if isinstance(recorded, bytes) else str(recorded)
+        if recorded == model_id:
+            return raw, payload, named[0] if named else {}
+        return raw, payload, self.r.hgetall(self.keys.model(recorded)) if recorded else {}
 
     def _begin(self, rec: FutureRecord) -> bool:
         """Mark the op running, count it on its model and advance the queue position, in one round trip.
@@ -227,8 +256,14 @@ class PoolRuntime:
         leave partial records."""
         model_key = self.keys.model(rec.model_id) if rec.model_id else ""
         index = self._begin_script(keys=[self.keys.future(rec.request_id), model_key,
-                                         self.keys.queue_started(rec.queue or self.queue)],
-                                   args=[time.time(), rec.ticket])
+                                         self.keys.queue_started(rec.queue or self.queue), self._fence_key()],
+                                   # a retry after a reply the broker lost must not count the op twice
+                                   args=[time.time(), rec.ticket, self._fence_token(), uuid.uuid4().hex])
+        if int(index) == FENCED_OFF:
+            self._fenced_off(rec, "was not begun")
+            return False
+        if int(index) == ALREADY_ENDED:  # a sweep failed it (queue timeout, lost adapter) since its last read
+            raise _EndedWhileHeld
         if int(index) < 0:
             return False
         task_started(rec)
@@ -239,11 +274,9 @@ class PoolRuntime:
         rather resubmit, and running it now only delays everyone queued behind it."""
         waited = time.time() - rec.created_at
         if self.queue_timeout > 0 and rec.created_at > 0 and waited > self.queue_timeout:
-            raise QueueTimedOut(
-                f"{op} waited {waited:.0f} s in the queue of {self.queue}, longer than its queue_timeout of "
-                f"{self.queue_timeout:g} s, and was not run.",
-                hint="Submit it again when the server is less busy, or ask the operator to raise "
-                     "queue_config.queue_timeout.")
+            if self._ended(rec):  # the API's sweep failed it while this pool held it (twinkle.queue_timeouts)
+                raise _EndedWhileHeld
+            raise queue_timeout_error(op, f"{waited:.0f}", self.queue, self.queue_timeout)
 
     def _check_adapter_alive(self, op: str, rec: FutureRecord, model: ModelRecord | None) -> None:
         if self.has_adapter is None or op in (Op.CREATE_MODEL, Op.SAMPLE, Op.UNLOAD_MODEL) or not rec.model_id:
@@ -253,7 +286,32 @@ class PoolRuntime:
                               hint="Create a new model" + (f" and load {model.last_checkpoint}."
                                                            if model.last_checkpoint else "."))
         if op != Op.LOAD_STATE and not self.has_adapter(rec.model_id):
-            raise self._lost(rec.model_id, model)
+            lost = self._lost(rec.model_id, model)
+            self._fail_lost_adapters_waiting_ops(rec, lost)
+            raise lost
+
+    def _fail_lost_adapters_waiting_ops(self, rec: FutureRecord, lost: TwinkleError) -> None:
+        """The first time an adapter is found lost, fail its other waiting ops at once (workers.lost_adapters);
+        again only after LOST_RESWEEP_SECONDS, should the client go on submitting to it."""
+        if time.monotonic() - self._lost_swept.get(rec.model_id, -LOST_RESWEEP_SECONDS) < LOST_RESWEEP_SECONDS:
+            return
+        self._lost_swept[rec.model_id] = time.monotonic()
+        try:
+            LostAdapterOps(QueuedOps(self.r, self.keys, ttl=self.future_ttl), self.queue).fail_waiting(
+                rec.model_id, rec.owner, lost)
+        except redis.RedisError:  # each op still fails at its own turn
+            log.warning("could not fail the waiting ops of lost model %s at once", rec.model_id, exc_info=True)
+
+    def _check_not_ended(self, rec: FutureRecord) -> None:
+        """An op of a lost adapter this pool held while its waiting ops were failed together ended meanwhile:
+        it must not be begun (that would overwrite its outcome)."""
+        if rec.model_id in self._lost_swept and self._ended(rec):
+            raise _EndedWhileHeld
+
+    def _ended(self, rec: FutureRecord) -> bool:
+        """Whether the op's record is terminal now (read again: it was queued when this pool read it)."""
+        return self.r.hget(self.keys.future(rec.request_id), "status") in (FutureStatus.COMPLETED.value.encode(),
+                                                                          FutureStatus.FAILED.value.encode())
 
     def _release_if_never_created(self, op: str, rec: FutureRecord, model: ModelRecord | None,
                                   exc: TwinkleError) -> None:
@@ -293,12 +351,29 @@ class PoolRuntime:
         fields = [str(x) for kv in {"status": status.value, "finished_at": time.time(), **failure}.items()
                   for x in kv]
         written = self._finish_script(
-            keys=[self.keys.future(rid), self.keys.blob_out(rid), self.keys.blob_in(rid)],
-            args=[self.future_ttl, result, self.keys.done_channel(rid), status.value, *fields])
+            keys=[self.keys.future(rid), self.keys.blob_out(rid), self.keys.blob_in(rid), self._fence_key()],
+            args=[self.future_ttl, result, self.keys.done_channel(rid), status.value, self._fence_token(), *fields])
+        if int(written) == FENCED_OFF:
+            self._fenced_off(rec, "has its outcome dropped")
+            return False
         if not int(written):
             log.warning("future %s vanished from the broker (restarted?); its outcome is dropped", rid)
         self._release_backlog(rec)
         return bool(int(written))
+
+    # -- the pool lease (twinkle.pool_lease) ----------------------------------------------------
+
+    def _fence_key(self) -> str:
+        return self.lease.fence_key if self.lease is not None else ""
+
+    def _fence_token(self) -> str:
+        return self.lease.token if self.lease is not None else ""
+
+    def _fenced_off(self, rec: FutureRecord, what: str) -> None:
+        """Another worker took this pool's queue: this one wrote nothing and stops now (the lease's `on_lost`
+        exits the process; the new holder runs or fails the op)."""
+        assert self.lease is not None, "only a worker with a lease is fenced off"
+        self.lease.lost(f"{rec.op} {rec.request_id} {what}: another worker took over its queue's lease")
 
     # -- the keys' backlogs (twinkle.backlog) ----------------------------------------------------
 
@@ -329,25 +404,47 @@ class _Vanished(Exception):  # a signal between two steps of one op, never repor
     """The future is gone from the broker: the op is dropped without a trace."""
 
 
-# KEYS: future, blob_out, blob_in. ARGV: ttl, result blob ('' = none), done channel, status, field/value pairs.
+class _EndedWhileHeld(Exception):  # a signal between two steps of one op, never reported
+    """The op's record became terminal while the pool held it: it is skipped like a duplicate delivery."""
+
+
+# A worker whose pool lease another worker took since (the fence names another token) writes nothing: -2.
+# A missing fence (a broker restarted without persistence) fences nobody off.
+# KEYS: future, blob_out, blob_in, fence ('' = none). ARGV: ttl, result blob ('' = none), done channel, status,
+# lease token, field/value pairs.
 _FINISH = """
+if KEYS[4] ~= '' then
+  local fence = redis.call('GET', KEYS[4])
+  if fence and fence ~= ARGV[5] then return -2 end
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[1]) end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('DEL', KEYS[3])
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return 1
 """
 
-# KEYS: future, model ("" = none), queue_started. ARGV: now, ticket.
+# KEYS: future, model ("" = none), queue_started, fence ('' = none). ARGV: now, ticket, lease token, attempt id
+# (the same attempt sent again, after a reply the broker lost, returns the index it got the first time). An op
+# that already ended (a sweep failed it while the pool held it) is never begun: -3.
 _BEGIN = """
+if KEYS[4] ~= '' then
+  local fence = redis.call('GET', KEYS[4])
+  if fence and fence ~= ARGV[3] then return -2 end
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'completed' or status == 'failed' then return -3 end
+if redis.call('HGET', KEYS[1], 'begun_by') == ARGV[4] then
+  return tonumber(redis.call('HGET', KEYS[1], 'exec_index') or '0')
+end
 local index = 0
 if KEYS[2] ~= '' and redis.call('EXISTS', KEYS[2]) == 1 then
   index = redis.call('HINCRBY', KEYS[2], 'ops_executed', 1)
 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'exec_index', index)
+redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'exec_index', index, 'begun_by', ARGV[4])
 local current = tonumber(redis.call('GET', KEYS[3]) or '0')
 if current < tonumber(ARGV[2]) then redis.call('SET', KEYS[3], ARGV[2]) end
 return index

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 import numpy as np
@@ -12,6 +10,7 @@ from fastapi import APIRouter, Request, Response
 from api.context import ApiContext
 from api.deps import Ctx, Tenant
 from api.finite_json import FiniteJSONResponse
+from api.long_poll import await_future, parked_poll
 from api.schemas import RetrieveFutureBody
 from api.slots import waiting_for_slot
 from api.tinker_codec import encode_forward_backward_output, encode_sample_output
@@ -30,31 +29,15 @@ async def wait_for_future(ctx: ApiContext, record: FutureRecord, tenant: str, ti
     return await await_future(ctx, record.request_id, tenant, timeout)
 
 
-async def await_future(ctx: ApiContext, request_id: str, tenant: str, timeout: float) -> FutureRecord:
-    """The record once terminal or `timeout` passed. The waiter is registered before the first read, so a
-    result published after that read wakes it; a parked poll holds no Redis connection: the hub wakes it
-    (pub/sub, or its batched re-read), and only then is the record read again."""
-    waiter = ctx.hub.register(request_id)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            waiter.woken.clear()  # before the read: a wake-up after it is kept for the wait below
-            record = await ctx.store.future(request_id, tenant)
-            remaining = deadline - time.monotonic()
-            if record.state.terminal or remaining <= 0:
-                return record
-            try:
-                await asyncio.wait_for(waiter.woken.wait(), remaining)
-            except TimeoutError:
-                continue  # one last read, then the deadline ends the loop
-    finally:
-        ctx.hub.unregister(waiter)
-
-
 @router.post("/retrieve_future", response_model=None)
 async def retrieve_future(body: RetrieveFutureBody, request: Request, ctx: Ctx, tenant: Tenant
                           ) -> Response | dict[str, Any]:
-    record = await await_future(ctx, body.request_id, tenant, ctx.long_poll_seconds)
+    parked = parked_poll(request.scope, body.request_id, tenant)  # api.long_poll waited for it, shallower
+    if parked is not None and parked.record is not None:
+        record = parked.record
+    else:
+        timeout = parked.remaining() if parked is not None else ctx.long_poll_seconds
+        record = await await_future(ctx, body.request_id, tenant, timeout)
     link_future(record)
     if record.state is FutureStatus.FAILED:
         return {"error": record.error, "category": record.category or "server", "code": record.code}

@@ -54,7 +54,7 @@ async def test_a_result_published_right_after_a_waiter_registered_always_wakes_i
             waiter = hub.register(f"r{i}")
             await publisher.publish(keys.done_channel(f"r{i}"), "completed")
             try:
-                await asyncio.wait_for(waiter.woken.wait(), 2)
+                await asyncio.wait_for(waiter.wait(), 2)
             except TimeoutError:
                 missed += 1
             hub.unregister(waiter)
@@ -81,7 +81,7 @@ async def test_two_thousand_parked_waiters_hold_no_redis_connection_and_all_wake
         for i in range(2000):
             pipe.publish(keys.done_channel(f"r{i}"), "completed")
         await pipe.execute()
-        await asyncio.wait_for(asyncio.gather(*(w.woken.wait() for w in waiters)), 10)
+        await asyncio.wait_for(asyncio.gather(*(w.wait() for w in waiters)), 10)
         for waiter in waiters:
             hub.unregister(waiter)
         assert hub.pending == 0
@@ -106,7 +106,7 @@ async def test_the_batched_re_read_wakes_waiters_whose_future_ended_vanished_or_
             await client.hset(keys.future(request_id), mapping={"status": "running"})
         waiters = {request_id: hub.register(request_id) for request_id in [*records, "gone", *busy_many]}
         assert await hub.recheck() == 4
-        assert {rid for rid, waiter in waiters.items() if waiter.woken.is_set()} == {
+        assert {rid for rid, waiter in waiters.items() if waiter.woken} == {
             "done", "failed", "old-broker", "gone"}
     finally:
         await client.delete(*(keys.future(rid) for rid in [*records, *busy_many]))
@@ -124,12 +124,12 @@ async def test_a_wake_up_lost_while_the_broker_was_down_is_found_after_it_return
         await asyncio.to_thread(broker.outage, 1.0)  # an empty Redis comes back: the message is never sent
         began = time.monotonic()
         await asyncio.wait_for(hub.subscribed.wait(), 10)
-        await asyncio.wait_for(waiter.woken.wait(), 10)  # its record vanished: the poll's own read decides
+        await asyncio.wait_for(waiter.wait(), 10)  # its record vanished: the poll's own read decides
         assert time.monotonic() - began < 10
         assert hub.reconnects >= 1
         fresh = hub.register("fresh")
         await r.publish(keys.done_channel("fresh"), "completed")
-        await asyncio.wait_for(fresh.woken.wait(), 2)
+        await asyncio.wait_for(fresh.wait(), 2)
     finally:
         await hub.close()
         await r.aclose()

@@ -143,3 +143,28 @@ async def test_a_queued_future_whose_worker_restarted_after_it_was_submitted_is_
     await r.set(beat, json.dumps({"t": time.time(), "held": [], "since": time.time() - 3600}), ex=60)
     fresh = await stored(r, keys, run_id=NEW_RUN)  # submitted to a worker that was already running
     assert (await lost.check(fresh, NEW_RUN)).status == FutureStatus.QUEUED
+
+
+async def test_a_queued_future_read_past_its_queues_timeout_fails_with_queue_timeout_and_wakes_its_waiters(
+        r: aioredis.Redis, keys: Keys) -> None:
+    late, prompt = await stored(r, keys, run_id=NEW_RUN), await stored(r, keys, run_id=NEW_RUN)
+    running = await stored(r, keys, status=FutureStatus.RUNNING, run_id=NEW_RUN, started_at=time.time())
+    for record in (late, running):
+        record.created_at = time.time() - 30
+        await r.hset(keys.future(record.request_id), "created_at", record.created_at)
+    lost = LostFutures(r, keys)
+    lost.queue_timeouts = {late.queue: 5}
+    pubsub = r.pubsub()
+    await pubsub.subscribe(keys.done_channel(late.request_id))
+    seen = await lost.check(late, NEW_RUN)
+    assert (seen.status, seen.code, seen.category) == (FutureStatus.FAILED, "queue_timeout", "server")
+    assert f"optim_step waited 30 s in the queue of {late.queue}, longer than its queue_timeout of 5 s" in seen.error
+    message = None
+    for _ in range(20):
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+        if message:
+            break
+    assert message is not None and message["data"] == b"failed"
+    await pubsub.aclose()
+    assert (await lost.check(prompt, NEW_RUN)).status == FutureStatus.QUEUED  # within its timeout
+    assert (await lost.check(running, NEW_RUN)).status == FutureStatus.RUNNING  # begun: the worker's to end

@@ -195,10 +195,11 @@ def test_a_killed_worker_is_restarted_and_its_running_future_fails_naming_the_ch
         nxt = wait(c, queued_after)
         assert nxt["category"] == "server" and "before-crash" in nxt["error"]
         assert all("error" not in wait(c, request_id) for request_id in late_ops)
-        # each adapter's ops in acceptance order (ops of different adapters may pass each other: fair share)
+        # the other adapter's ops ran in acceptance order; the lost one's queued op failed while still queued
+        # (workers/lost_adapters.py), never begun
         started = [float(mock_server.redis.hget(mock_server.keys.future(request_id), "started_at") or 0)
-                   for request_id in (queued_after, *late_ops)]
-        assert started[1:] == sorted(started[1:]) and min(started) > 0
+                   for request_id in late_ops]
+        assert started == sorted(started) and min(started) > 0
         # the restarted worker serves other adapters, and this one can resume from its checkpoint
         other = new_model(c)
         assert "metrics" in wait(c, c.post("/forward_backward", json=fb_body(other, [datum([1, 2, 3])])).json()[

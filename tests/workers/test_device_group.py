@@ -16,11 +16,12 @@ from workers.factory import build_model_backend, on_loopback
 pytestmark = pytest.mark.slow
 
 
-def model_app(model_dir: Path, backend: str, dp_size: int) -> Any:
+def model_app(model_dir: Path, backend: str, dp_size: int, deployments: list[dict[str, Any]] | None = None) -> Any:
     config = parse_config({"applications": [{
         "name": "models-tiny", "route_prefix": "/m", "import_path": "model",
         "args": {"backend": backend, "model_id": str(model_dir), "max_length": 256,
                  "device_group": {"ranks": dp_size, "device_type": "cpu"}, "device_mesh": {"dp_size": dp_size}},
+        "deployments": deployments or [],
     }]})
     return config, config.app("models-tiny")
 
@@ -123,6 +124,33 @@ def check_equivalence(parallel: Any, single_app: Any, tmp_path: Path) -> None:
         per_rank.append(arrays_in(tmp_path / f"rank{rank}"))
     assert any(key.startswith(("optimizer.", "exp_avg")) for key in per_rank[0])
     assert_same_arrays(per_rank[0], per_rank[1], rtol=0, atol=1e-6)
+
+
+def test_ray_actor_options_set_what_each_rank_reserves(ray_address: str, tiny_model_dir: Path) -> None:
+    import ray
+
+    from workers.device_group import start_device_group
+
+    config, app = model_app(tiny_model_dir, "mock", dp_size=2, deployments=[{
+        "name": "pinned", "ray_actor_options": {"num_cpus": 2, "resources": {"twinkle_test_node": 1}}}])
+    parallel, _ = start_device_group(config, app, "test-actor-options", on_death=lambda _why: None)
+    try:
+        bundles = ray.util.placement_group_table(parallel.ranks.pg)["bundles"]  # type: ignore[attr-defined]
+        assert list(bundles.values()) == [{"CPU": 2.0, "twinkle_test_node": 1.0}] * 2  # one per rank
+    finally:
+        parallel.ranks.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("options", "bundle"), [
+    ({}, {"CPU": 1, "GPU": 1}),
+    ({"num_cpus": 4, "num_gpus": 0.5}, {"CPU": 4, "GPU": 0.5}),
+    ({"memory": 2e9, "resources": {"node_b": 1}}, {"CPU": 1, "GPU": 1, "memory": 2e9, "node_b": 1}),
+])
+def test_a_cuda_ranks_bundle_follows_ray_actor_options(options: dict[str, Any], bundle: dict[str, float]) -> None:
+    from twinkle.config.deployment import RayActorOptions
+    from workers.device_group import bundle_for
+
+    assert bundle_for("cuda", RayActorOptions(**options)) == bundle
 
 
 def test_the_ray_instance_listens_on_loopback_only(ray_address: str) -> None:

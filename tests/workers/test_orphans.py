@@ -12,6 +12,8 @@ import redis
 
 from tests.private_redis import PrivateRedis
 from twinkle.broker import UNACKED, UNACKED_INDEX
+from twinkle.keys import Keys
+from twinkle.pool_lease import PoolLease
 from workers.orphans import OrphanSweep
 
 
@@ -45,3 +47,14 @@ def test_only_old_entries_of_our_queue_that_we_do_not_hold_are_put_back_oldest_a
     left = {json.loads(raw)[0]["headers"]["id"] for raw in r.hvals(UNACKED)}
     assert left == {"held", "fresh", "other-pool"} and r.zcard(UNACKED_INDEX) == 3
     assert sweep.sweep() == 0
+
+
+def test_a_worker_that_lost_its_pool_lease_puts_nothing_back(r: redis.Redis) -> None:
+    keys = Keys()
+    frozen = PoolLease(r, keys, "model.a.0", 30, on_lost=lambda _why: None)
+    frozen.acquire()
+    r.delete(keys.pool_lease("model.a.0"))  # its lease lapsed while it was frozen
+    PoolLease(r, keys, "model.a.0", 30).acquire()  # and another worker took the queue
+    deliver(r, "the-successors-op", "model.a.0", age=30)  # the successor runs it; the frozen worker never saw it
+    assert OrphanSweep(r, "model.a.0", lambda: set(), min_age=5, lease=frozen).sweep() == 0
+    assert r.llen("model.a.0") == 0 and r.hlen(UNACKED) == 1

@@ -3,6 +3,7 @@ instead of running late; one within the limit runs."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -12,8 +13,11 @@ import pytest
 import redis
 
 from tests.harness import REDIS_HOST, REDIS_PORT, require_redis
+from twinkle.config.clock import ClockConfig, SchedulingConfig
 from twinkle.futures import FutureRecord, FutureStatus
 from twinkle.keys import Keys
+from twinkle.queue_timeouts import queue_timeout_error
+from twinkle.queued_ops import Failure, QueuedOps
 from workers.runtime import PoolRuntime
 
 ran: list[str] = []
@@ -64,3 +68,28 @@ def test_a_zero_queue_timeout_waits_forever(runtime: PoolRuntime) -> None:
     submitted(runtime, "patient", waited=86400)
     runtime.execute("forward", "patient")
     assert stored(runtime, "patient").status == FutureStatus.COMPLETED
+
+
+def test_an_op_the_sweep_failed_while_the_pool_held_it_is_skipped_at_its_turn_not_failed_again(
+        runtime: PoolRuntime) -> None:
+    runtime.queue_timeout = 1
+    runtime.use_clock(None, ClockConfig(), SchedulingConfig())  # fair share: ops wait for their turn in the pool
+    release = threading.Event()
+    runtime.handlers["slow"] = lambda rec, _payload: release.wait(10) and {"ok": True}
+    for rid, op in (("busy", "slow"), ("held", "forward")):
+        submitted(runtime, rid, waited=0.5)
+        runtime.r.hset(runtime.keys.future(rid), "op", op)
+    threads = [threading.Thread(target=runtime.execute, args=(op, rid)) for rid, op in (("busy", "slow"),
+                                                                                         ("held", "forward"))]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)  # `busy` runs, `held` waits for its turn
+    time.sleep(1)  # `held` is past its queue_timeout now: the API's sweep fails it while still queued
+    error = queue_timeout_error("{op}", "{waited}", runtime.queue, 1)
+    assert QueuedOps(runtime.r, runtime.keys, ttl=60).fail(["held"], Failure(str(error), error.code)) == ["held"]
+    swept = stored(runtime, "held")
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert stored(runtime, "busy").status == FutureStatus.COMPLETED
+    assert stored(runtime, "held") == swept and "held" not in ran  # neither run nor failed again

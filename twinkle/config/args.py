@@ -55,9 +55,10 @@ class ServerSettings(StrictModel):
     expiration_timeout: int = Field(default=86400, gt=0)
     """Seconds after which idle sessions and their records expire."""
     cleanup_interval: int = Field(default=60, gt=0)
-    """Seconds between sweeps that expire sessions, adapters and futures."""
+    """No effect (check-config says so): sessions and futures expire by Redis time-to-live, adapters are checked
+    every second."""
     metrics_update_interval: int = Field(default=15, gt=0)
-    """Seconds between updates of the resource gauges (active sessions, models, futures)."""
+    """Seconds between reads of the resource gauges (active sessions, models, futures, queue depth)."""
 
 
 class ServerArgs(StrictModel):

@@ -26,9 +26,9 @@ class AutoscalingConfig(StrictModel):
     min_replicas: int = Field(default=1, ge=0)
     """Fewest replicas kept running."""
     max_replicas: int = Field(default=1, ge=1)
-    """Most replicas started."""
+    """No effect beyond min_replicas (Twinkle does not autoscale; check-config says so)."""
     target_ongoing_requests: float | None = Field(default=None, gt=0)
-    """Ongoing requests per replica the autoscaler aims for; None keeps the replica count fixed."""
+    """No effect (Twinkle does not autoscale; check-config says so); accepted for compatibility."""
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> AutoscalingConfig:
@@ -41,7 +41,7 @@ class AutoscalingConfig(StrictModel):
 
 
 class RayActorOptions(StrictModel):
-    """Resources each replica reserves in Ray."""
+    """Resources each rank of a model pool on a Ray device group reserves in Ray (its placement bundle)."""
 
     num_cpus: float | None = Field(default=None, ge=0)
     """CPUs reserved per replica."""
@@ -59,9 +59,9 @@ class RuntimeEnv(StrictModel):
     env_vars: dict[str, EnvValue] = Field(default_factory=dict)
     """Environment variables set in the replica's processes."""
     pip: list[str] | None = None
-    """Extra pip requirements installed for the replica."""
+    """No effect (check-config says so): install packages into the server's environment on every node."""
     working_dir: str | None = None
-    """Working directory of the replica's processes."""
+    """No effect (check-config says so): processes run where `twinkle-server launch` was started."""
 
 
 class Deployment(StrictModel):
@@ -70,10 +70,12 @@ class Deployment(StrictModel):
     name: str
     """Name of the deployment, shown in logs and Ray."""
     max_ongoing_requests: int | None = Field(default=None, ge=1)
-    """Requests one replica handles concurrently; None uses the component's default."""
+    """Requests one replica handles at once: a sampler pool's batch size unless engine_args.max_num_seqs sets
+    it; no effect on other applications (check-config says so)."""
     autoscaling_config: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     """Replica count."""
     ray_actor_options: RayActorOptions = Field(default_factory=RayActorOptions)
-    """Resources per replica."""
+    """What each rank of a model pool on a Ray device group reserves; no effect on applications that run in
+    their own process (check-config says so)."""
     runtime_env: RuntimeEnv = Field(default_factory=RuntimeEnv)
     """Environment of each replica."""

@@ -106,6 +106,10 @@ class BrokerConfig(StrictModel):
     """Redis URL of an existing broker; None makes `launch` start an embedded Valkey on this machine."""
     db: int = Field(default=0, ge=0)
     """Redis database number used when `url` does not name one."""
+    pool_lease_seconds: float = Field(default=15.0, ge=1.0, le=600.0)
+    """How long a pool worker's claim on its queue lasts unless renewed (every fifth of it). A second worker for
+    the same pool refuses to start while the claim holds; it takes over this long after the holder froze or its
+    node died, at once when the holder's process on the same host is gone."""
 
     @field_validator("url")
     @classmethod

@@ -30,8 +30,8 @@ class ServerConfig(StrictModel):
     """Everything `twinkle-server` needs to run: network, state, broker, access and the applications."""
 
     proxy_location: ProxyLocation = "EveryNode"
-    """`EveryNode` runs an HTTP proxy on every node (recommended for several nodes); `HeadOnly` on the
-    head node only."""
+    """Accepted for compatibility with Ray Serve configs, no effect (check-config says so): the API runs where
+    `twinkle-server launch` runs; for a proxy on every node run one `launch --only api` per node."""
     http_options: HttpOptions = Field(default_factory=HttpOptions)
     """Where the API listens."""
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)

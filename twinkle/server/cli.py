@@ -1,6 +1,8 @@
 """`twinkle-server`: launch the server and inspect its config.
 
-    twinkle-server launch -c cfg.yaml [--namespace NS] [--only api | --only worker NAME | --only flower] [-v]
+    twinkle-server launch -c cfg.yaml [--namespace NS] [--host H] [--port P] [-v]
+                          [--only api | --only worker NAME [--replica I ...] | --only flower]
+    twinkle-server stop-ray [--address HOST:PORT | -c cfg.yaml] [--grace S]
     twinkle-server check-config -c cfg.yaml
     twinkle-server print-config -c cfg.yaml [--format yaml|json]
     twinkle-server clear persistence -c cfg.yaml
@@ -76,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="start one role on this node: 'api', 'worker NAME' (an application name) or 'flower'",
     )
     launch.add_argument(
+        "--replica",
+        type=int,
+        nargs="+",
+        action="extend",
+        metavar="I",
+        help="with --only worker NAME: start only these replicas of the pool (repeatable; default: all), so that "
+        "one pool's replicas can run on different nodes",
+    )
+    launch.add_argument("--host", help="where the API listens, instead of the config's http_options.host")
+    launch.add_argument("--port", type=int, help="the API's port, instead of the config's http_options.port")
+    launch.add_argument(
         "-v",
         "--verbose",
         action="store_true",
@@ -117,6 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the API key that owns the checkpoint (default: $TWINKLE_SERVER_TOKEN)")
     merged.add_argument("--overwrite", action="store_true", help="replace OUT_DIR when it holds files")
     merged.set_defaults(command=_export_merged)
+
+    stop_ray = commands.add_parser(
+        "stop-ray", help="stop the Ray processes of one cluster on this machine (`ray stop` stops every cluster)")
+    stop_ray.add_argument("--address", metavar="HOST:PORT",
+                          help="the cluster's GCS address, as given to `ray start --address` (default: the "
+                          "config's ray.address)")
+    stop_ray.add_argument("-c", "--config", default=os.environ.get(CONFIG_ENV), metavar="PATH",
+                          help=f"YAML server config whose ray.address to use (default: ${CONFIG_ENV})")
+    stop_ray.add_argument("--grace", type=float, default=10.0,
+                          help="the longest wait, in seconds, for the raylet and the GCS to end on SIGTERM "
+                          "before what is left gets SIGKILL (default: 10)")
+    stop_ray.set_defaults(command=_stop_ray, parser=stop_ray)
 
     _add_keys_commands(commands)
     return parser
@@ -168,6 +193,8 @@ def _launch(options: argparse.Namespace) -> int:
     config = load_config(options.config)
     if only_name is not None:
         _check_worker_name(options.parser, config, only_name)
+    _check_replicas(options.parser, config, only_name, options.replica)
+    config = _with_listen_address(options.parser, config, only, options.host, options.port)
     namespace = options.namespace or config.ray_namespace
     from twinkle.config.runtime import runtime_problems
 
@@ -181,6 +208,10 @@ def _launch(options: argparse.Namespace) -> int:
     if only in (None, "api") and (store_problem := _export_store_problem(config)):
         print(f"error: {store_problem}", file=sys.stderr)
         return EXIT_FAILED
+    from twinkle.config.inert_keys import inert_keys
+
+    for note in inert_keys(config):
+        print(f"[twinkle] note: {note}", flush=True)
     from twinkle.server.launcher import launch  # deferred: it pulls in Ray, Celery and uvicorn
 
     return launch(
@@ -190,6 +221,7 @@ def _launch(options: argparse.Namespace) -> int:
         only_name=only_name,
         namespace=namespace,
         verbose=options.verbose,
+        replicas=options.replica,
     )
 
 
@@ -250,6 +282,33 @@ def _check_worker_name(parser: argparse.ArgumentParser, config: ServerConfig, na
     parser.error(f"--only worker: {reason}; worker pools: {', '.join(pools) or 'none configured'}")
 
 
+def _check_replicas(parser: argparse.ArgumentParser, config: ServerConfig, name: str | None,
+                    replicas: list[int] | None) -> None:
+    """`--replica` picks replicas of the one pool `--only worker NAME` starts, and only ones it has."""
+    if not replicas:
+        return
+    if name is None:
+        parser.error("--replica needs --only worker NAME: it picks replicas of that pool")
+    from twinkle.server.replica_choice import problem
+
+    app = next(app for app in config.applications if app.name == name)
+    if wrong := problem(app, replicas):
+        parser.error(f"--replica: {wrong}")
+
+
+def _with_listen_address(parser: argparse.ArgumentParser, config: ServerConfig, only: str | None,
+                         host: str | None, port: int | None) -> ServerConfig:
+    """The config with `--host` / `--port` in place of http_options: several API processes on one machine."""
+    if host is None and port is None:
+        return config
+    if only not in (None, "api"):
+        parser.error(f"--host and --port say where the API listens; --only {only} runs no API")
+    if port is not None and not 0 < port < 65536:
+        parser.error(f"--port: {port} is not a TCP port (1 to 65535)")
+    listen = config.http_options.model_copy(update={k: v for k, v in (("host", host), ("port", port)) if v})
+    return config.model_copy(update={"http_options": listen})
+
+
 def _check_config(options: argparse.Namespace) -> int:
     config = load_config(options.config)
     _refuse_missing_model_dirs(options.config, config)
@@ -264,8 +323,11 @@ def _check_config(options: argparse.Namespace) -> int:
         if unknown:
             print(f"warning: {config.auth.keys_file} names tiers that tenancy.tiers lacks ({', '.join(unknown)}); "
                   f"those keys get the default tier {config.tenancy.default_tier!r}", file=sys.stderr)
+    from twinkle.config.inert_keys import inert_keys
     from twinkle.config.runtime import runtime_problems
 
+    for note in inert_keys(config):
+        print(f"note: {note}", file=sys.stderr)
     for problem in runtime_problems(config):
         print(f"warning: this machine cannot run {problem}", file=sys.stderr)
     return EXIT_OK
@@ -297,6 +359,34 @@ def _running_broker(config: ServerConfig) -> str | None:
 
     record = launch_record.find(config.http_options.port)
     return record.broker_url if record is not None else None
+
+
+def _stop_ray(options: argparse.Namespace) -> int:
+    from twinkle.server import ray_processes
+
+    address = options.address
+    if address is None and options.config:
+        address = load_config(options.config).ray.address
+    if not address or address == "auto":
+        options.parser.error("pass --address HOST:PORT, the GCS address of the cluster to stop (or -c with a "
+                             "config whose ray.address is HOST:PORT)")
+    try:
+        port = ray_processes.gcs_port(address)
+    except ValueError as error:
+        options.parser.error(f"--address: {error}")
+    result = ray_processes.stop(port, grace=options.grace)
+    if not result.stopped and not result.refused:
+        print(f"no Ray process of the cluster at {address} runs on this machine")
+        return EXIT_OK
+    if result.stopped:
+        killed = f"; {result.killed} needed SIGKILL" if result.killed else ""
+        print(f"stopped {len(result.stopped)} Ray processes of the cluster at {address}: "
+              f"{ray_processes.summary(result.stopped)}{killed}")
+    if result.refused:
+        print(f"not allowed to stop PIDs {', '.join(map(str, result.refused))} (another user's); run as that user",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _build_tiny_model(options: argparse.Namespace) -> int:

@@ -1,8 +1,14 @@
 """`twinkle-server launch`: start the broker, the API and one worker per pool, and supervise them.
 
-Children are plain subprocesses in their own process group. A child that dies is restarted (its
+Children are plain subprocesses, each leading a session of its own. A child that dies is restarted (its
 queue's unacked messages are put back at the head first, so nothing queued is lost), and SIGINT /
 SIGTERM stops everything: workers get a warm shutdown, stragglers are killed, nothing is orphaned.
+
+A launcher that dies without stopping (SIGKILL, the OOM killer) takes its children along: the kernel kills
+each child with it (twinkle/server/parent_death.py), and its reaper kills what the children started
+(twinkle/server/reaper.py). Every child is named in the launch record (twinkle/server/launch_record.py), and
+the next launch of the same roles clears whatever a dead launcher still left before it starts anything
+(twinkle/server/leftovers.py).
 """
 
 from __future__ import annotations
@@ -14,18 +20,29 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from twinkle import liveness
-from twinkle.broker import EmbeddedBroker, restore_unacked
+from twinkle.broker import EmbeddedBroker
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.keys import Keys
 from twinkle.pool_exit import exit_reason
-from twinkle.server import launch_record, startup, verbosity
+from twinkle.pool_lease import restore_if_vacant
+from twinkle.server import (
+    launch_record,
+    leftovers,
+    parent_death,
+    process_table,
+    reaper,
+    replica_choice,
+    startup,
+    verbosity,
+)
 from twinkle.server.hang_watch import HangWatch
 from twinkle.server.port_check import port_taken
 from twinkle.server.readiness import INSTANCE_ENV, Readiness, new_instance_id
@@ -45,6 +62,7 @@ class Child:
     argv: list[str]
     queue: str | None = None
     proc: subprocess.Popen[bytes] | None = None
+    proc_started: int = 0  # the process's start time (process_table), which tells a reused pid apart
     restarts: int = 0
     started_at: float = 0.0
     env: dict[str, str] = field(default_factory=dict)
@@ -60,7 +78,9 @@ class Child:
         if self.attempts is not None:
             self.attempts.started()
             env[startup.ENV] = str(self.attempts.cause_file)
-        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True)
+        # its own session: a Ctrl-C reaches the launcher alone, which stops the children in order
+        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True, preexec_fn=parent_death.preexec())
+        self.proc_started = process_table.started(self.proc.pid) or 0
         self.started_at = time.time()
 
     def given_up(self) -> bool:
@@ -72,18 +92,24 @@ class Child:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    def record(self) -> launch_record.ChildRecord:
+        return launch_record.ChildRecord(self.name, self.pid() or 0, self.proc_started, self.queue or "")
 
-def plan_children(config_path: str, config: Any, only: str | None, only_name: str | None) -> list[Child]:
+
+def plan_children(config_path: str, config: Any, only: str | None, only_name: str | None,
+                  replicas: list[int] | None = None) -> list[Child]:
+    """The children of a launch; `replicas` picks the replicas of the `only_name` pool (default: all)."""
     py = sys.executable
     children: list[Child] = []
     if only in (None, "api"):
-        children.append(Child("api", [py, "-m", "api", "-c", config_path]))
+        listen = config.http_options
+        children.append(Child("api", [py, "-m", "api", "-c", config_path, "--host", listen.host,
+                                      "--port", str(listen.port)]))
     if only in (None, "worker"):
         for app in config.model_apps():
             if only_name and app.name != only_name:
                 continue
-            replicas = _replicas(app)
-            for replica in range(replicas):
+            for replica in replica_choice.chosen(app, replicas):
                 children.append(Child(f"worker {app.name}#{replica}", [py, "-m", "workers", "-c", config_path,
                                       "--app", app.name, "--replica", str(replica)],
                                       queue=model_queue(app.name, replica), env=_app_env(app)))
@@ -102,13 +128,6 @@ def plan_children(config_path: str, config: Any, only: str | None, only_name: st
     return children
 
 
-def _replicas(app: Any) -> int:
-    for deployment in app.deployments or []:
-        if deployment.autoscaling_config is not None:
-            return max(1, int(deployment.autoscaling_config.min_replicas or 1))
-    return 1
-
-
 def _app_env(app: Any) -> dict[str, str]:
     env: dict[str, str] = {}
     if getattr(app.args, "backend", None) == "mock" or getattr(app.args, "sampler_type", None) == "mock":
@@ -121,10 +140,12 @@ def _app_env(app: Any) -> dict[str, str]:
 
 
 class Supervisor:
-    def __init__(self, children: list[Child], r: redis.Redis, keys: Keys) -> None:
+    def __init__(self, children: list[Child], r: redis.Redis, keys: Keys,
+                 on_start: Callable[[], None] = lambda: None) -> None:
         self.children = children
         self.r = r
         self.keys = keys
+        self.on_start = on_start  # called after children started: the launch record names every child
         self.stopping = False
         self.hangs = HangWatch(r, keys)
         liveness_dir = Path(tempfile.mkdtemp(prefix="twinkle-liveness-"))
@@ -137,8 +158,9 @@ class Supervisor:
     def start_all(self) -> None:
         for child in self.children:
             if child.queue:
-                restore_unacked(self.r, child.queue)
+                restore_if_vacant(self.r, self.keys, child.queue)  # never another live worker's messages
             child.start()
+        self.on_start()
 
     def check(self) -> None:
         for child in self.children:
@@ -165,13 +187,14 @@ class Supervisor:
             elif time.time() - child.started_at < 2:
                 time.sleep(min(10, child.restarts))  # crash loop: back off instead of spinning
             child.start()
+            self.on_start()
 
     def _restore(self, child: Child) -> bool:
         """Put the dead worker's unacked messages back; False while the broker is unreachable (transient: a
         Redis restart or outage must not stop the launcher, which would stop every pool)."""
         assert child.queue is not None
         try:
-            restored = restore_unacked(self.r, child.queue)
+            restored = restore_if_vacant(self.r, self.keys, child.queue)
         except redis.RedisError as exc:
             if not child.awaiting_broker:
                 log.warning("cannot restore %s while the broker is unreachable (%s); retrying", child.queue, exc)
@@ -190,7 +213,7 @@ class Supervisor:
         beat = liveness.read(child.liveness_file)
         if beat is None or beat.pid != child.proc.pid:
             return  # not written yet by this process (still loading its model)
-        why = self.hangs.verdict(beat)
+        why = self.hangs.verdict(beat, queue=child.queue or "", since=child.started_at)
         if not why:
             return
         log.error("%s hung (%s); killing it", child.name, why)
@@ -218,6 +241,8 @@ class Supervisor:
                 log.warning("%s did not stop in time; killing it", child.name)
                 os.killpg(child.proc.pid, signal.SIGKILL)
                 child.proc.wait()
+        for child in self.children:
+            _kill_leftovers(child)  # what a stopped child started and left behind (Ray's agents, its actors)
 
 
 def _start_failed(child: Child, code: int | None) -> float | None:
@@ -238,12 +263,9 @@ def _start_failed(child: Child, code: int | None) -> float | None:
 
 
 def _kill_leftovers(child: Child) -> None:
-    """Kill what a dead worker left in its process group (a private Ray instance's agents outlive it)."""
+    """Kill what a dead worker left in its session (a private Ray instance's agents and actors outlive it)."""
     if child.proc is not None:
-        try:
-            os.killpg(child.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        leftovers.kill_session(child.proc.pid, child.proc_started)
 
 
 def wait_until_ready(sup: Supervisor, readiness: Readiness, stop: dict[str, bool],
@@ -273,13 +295,23 @@ def wait_until_ready(sup: Supervisor, readiness: Readiness, stop: dict[str, bool
 
 
 def launch(config_path: str, config: Any, only: str | None = None, only_name: str | None = None,
-           namespace: str = "twinkle_cluster", verbose: bool = False) -> int:
+           namespace: str = "twinkle_cluster", verbose: bool = False, replicas: list[int] | None = None) -> int:
+    """Run the launch until it is stopped; `config.http_options` is where the API listens (the CLI's --host and
+    --port already applied) and `replicas` the replicas of the `only_name` pool to start (default: all)."""
     children_env = verbosity.children_env(verbose)
     logging.basicConfig(level=children_env[verbosity.LEVEL_ENV],
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not verbose:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
     config_path = str(Path(config_path).resolve())
+    url = os.environ.get("TWINKLE_BROKER_URL") or config.broker.url
+    if not url and only is not None:
+        print("--only needs a shared broker: set broker.url in the config.", file=sys.stderr)
+        return 2
+    children = plan_children(config_path, config, only, only_name, replicas)
+    mine = _record_of(config_path, config, only, only_name, replicas, url or "", children)
+    for line in leftovers.clear_predecessors(mine):  # before the port check: a leftover API may hold the port
+        print(f"[twinkle] {line}", flush=True)
     if only in (None, "api"):
         taken = port_taken(config.http_options.host, config.http_options.port)
         if taken:
@@ -287,17 +319,20 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
             return 1
     os.environ.update(children_env)
     broker: EmbeddedBroker | None = None
-    record: Path | None = None
-    url = os.environ.get("TWINKLE_BROKER_URL") or config.broker.url
     if not url:
-        if only is not None:
-            print("--only needs a shared broker: set broker.url in the config.", file=sys.stderr)
-            return 2
         broker = EmbeddedBroker()
         url = broker.start()
         print(f"[twinkle] embedded Valkey broker at {url}", flush=True)
-        record = launch_record.write(launch_record.LaunchRecord(os.getpid(), config.http_options.port, url,
-                                                                config_path))  # for clear persistence
+    broker_child = (launch_record.ChildRecord("broker", broker.proc.pid, process_table.started(broker.proc.pid) or 0)
+                    if broker is not None and broker.proc is not None else None)
+
+    def write_record() -> None:
+        started = [child.record() for child in children if child.proc is not None]
+        launch_record.write(replace(mine, broker_url=url, children=tuple(filter(None, [broker_child, *started]))))
+
+    write_record()  # `clear persistence` finds the embedded broker through it
+    record = launch_record.record_path(mine.name)
+    guard = reaper.start(record)
     os.environ["TWINKLE_BROKER_URL"] = url
     os.environ["TWINKLE_RAY_NAMESPACE"] = namespace
     r = redis.Redis.from_url(url)
@@ -311,7 +346,7 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
         print(f"[twinkle] restored {restore_snapshot(r, snapshot_path)} durable records from {snapshot_path}",
               flush=True)
     instance = new_instance_id()
-    sup = Supervisor(plan_children(config_path, config, only, only_name), r, keys)
+    sup = Supervisor(children, r, keys, on_start=write_record)
     for child in sup.children:
         if child.name == "api":
             child.env[INSTANCE_ENV] = instance
@@ -354,4 +389,18 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
         if broker is not None:
             broker.stop()
         launch_record.remove(record)
+        reaper.stop(guard)
     return 0
+
+
+def _record_of(config_path: str, config: Any, only: str | None, only_name: str | None, replicas: list[int] | None,
+               url: str, children: list[Child]) -> launch_record.LaunchRecord:
+    """This launch's record before any child runs: what it will run, for finding the predecessors it replaces."""
+    api = only in (None, "api")
+    pool = next((app for app in config.applications if app.name == only_name), None)
+    name = launch_record.record_name(config_path, only, only_name,
+                                     replica_choice.chosen(pool, replicas) if pool is not None else [],
+                                     config.http_options.port, config.flower.port)
+    return launch_record.LaunchRecord(os.getpid(), config.http_options.port if api else 0, url, config_path,
+                                      process_table.started(os.getpid()) or 0, name,
+                                      tuple(child.record() for child in children), process_table.node())

@@ -81,8 +81,10 @@ def _start(config: Any, app: Any, celery_app: Any, *, lead: bool) -> None:
         queues = [q for m in catalog.models.values() for q in [*m.model_queues, m.sampler_queue] if q]
         queues += [processor_queue(a.name) for a in config.processor_apps()]
         state.leader = CleanupLeader(r, keys).start()
-        gauges: ServerGauges = pipeline.once("server-gauges",
-                                             lambda: ServerGauges(r, keys, queues).register(pipeline.meter()))
+        server = config.server_app()
+        interval = float(server.args.server_config.metrics_update_interval) if server else 1.0
+        gauges: ServerGauges = pipeline.once("server-gauges", lambda: ServerGauges(
+            r, keys, queues, min_interval=interval).register(pipeline.meter()))
         gauges.leader = state.leader
     _state = state
     log.info("Worker telemetry initialized (%s, %s, pid %d)", app.name, deployment, os.getpid())

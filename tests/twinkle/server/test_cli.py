@@ -284,3 +284,78 @@ def test_export_merged_without_an_api_key_is_a_usage_error(monkeypatch: pytest.M
     monkeypatch.delenv("TWINKLE_SERVER_TOKEN", raising=False)
     assert main(["export-merged", "twinkle://r/weights/a", "out"]) == 2
     assert "needs an API key" in capsys.readouterr().err
+
+
+def _two_replica_config(tmp_path: Path) -> Path:
+    path = tmp_path / "replicas.yaml"
+    path.write_text(yaml.safe_dump({
+        "http_options": {"host": "127.0.0.1", "port": 8000},
+        "broker": {"url": "redis://127.0.0.1:6379/0"},
+        "applications": [
+            {"name": "server", "route_prefix": "/api/v1", "import_path": "server", "args": {}},
+            {"name": "models-x", "route_prefix": "/api/v1/model/x", "import_path": "model",
+             "args": {"backend": "mock", "model_id": "1000"},
+             "deployments": [{"name": "pool", "autoscaling_config": {"min_replicas": 2, "max_replicas": 2}}]},
+            {"name": "processor", "route_prefix": "/api/v1/processor", "import_path": "processor", "args": {}},
+        ]}))
+    return path
+
+
+def test_launch_passes_the_chosen_replicas_and_the_listen_address_to_the_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[dict[str, Any]] = []
+    _fake_module(monkeypatch, "twinkle.server.launcher", launch=lambda **kwargs: calls.append(kwargs) or 0)
+    config = str(_two_replica_config(tmp_path))
+
+    assert main(["launch", "-c", config, "--only", "worker", "models-x", "--replica", "1"]) == 0
+    assert main(["launch", "-c", config, "--only", "worker", "models-x", "--replica", "0", "--replica", "1"]) == 0
+    assert main(["launch", "-c", config, "--only", "worker", "models-x"]) == 0
+    assert main(["launch", "-c", config, "--only", "api", "--host", "0.0.0.0", "--port", "8001"]) == 0
+    assert main(["launch", "-c", config, "--port", "8002"]) == 0
+
+    assert [call["replicas"] for call in calls[:3]] == [[1], [0, 1], None]
+    listen = [(call["config"].http_options.host, call["config"].http_options.port) for call in calls]
+    assert listen[2:] == [("127.0.0.1", 8000), ("0.0.0.0", 8001), ("127.0.0.1", 8002)]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--only", "worker", "models-x", "--replica", "2"], "models-x has no replica 2: it runs replicas 0 to 1"),
+        (["--only", "worker", "processor", "--replica", "1"], "processor has no replica 1: it runs one replica, 0"),
+        (["--replica", "0"], "--replica needs --only worker NAME"),
+        (["--only", "api", "--replica", "0"], "--replica needs --only worker NAME"),
+        (["--only", "worker", "models-x", "--port", "8001"], "--only worker runs no API"),
+        (["--port", "70000"], "70000 is not a TCP port"),
+    ],
+    ids=["replica-out-of-range", "single-replica-pool", "replica-without-only", "replica-with-api",
+         "port-without-api", "port-out-of-range"],
+)
+def test_launch_refuses_replicas_a_pool_lacks_and_a_listen_address_without_an_api(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str],
+    message: str
+) -> None:
+    _fake_module(monkeypatch, "twinkle.server.launcher", launch=lambda **kwargs: pytest.fail("launched"))
+
+    with pytest.raises(SystemExit) as caught:
+        main(["launch", "-c", str(_two_replica_config(tmp_path)), *args])
+
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_stop_ray_needs_a_gcs_address_and_says_when_nothing_of_that_cluster_runs_here(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["stop-ray"])
+    assert caught.value.code == 2
+    assert "pass --address HOST:PORT" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit):
+        main(["stop-ray", "--address", "no-port"])
+    assert "'no-port' is not HOST:PORT" in capsys.readouterr().err
+
+    assert main(["stop-ray", "--address", "127.0.0.1:1"]) == 0
+    assert "no Ray process of the cluster at 127.0.0.1:1 runs on this machine" in capsys.readouterr().out

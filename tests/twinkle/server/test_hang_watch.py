@@ -108,3 +108,76 @@ def test_a_worker_frozen_before_its_liveness_named_the_new_op_gets_that_op_faile
     finally:
         r.close()
         broker.kill()
+
+
+def test_a_worker_frozen_right_after_it_began_an_op_is_hung_by_the_ops_record_past_its_limit(
+        tmp_path: Path) -> None:
+    broker = PrivateRedis(tmp_path)  # kombu's unacked hash has no prefix: never the shared Redis
+    broker.start()
+    r = redis.Redis(port=broker.port)
+    try:
+        watch = HangWatch(r, Keys(""), record_check_seconds=0)
+        r.hset(watch.keys.future("r1"), mapping={"status": "running", "started_at": NOW - 14, "op": "forward"})
+        r.hset(UNACKED, "tag-r1", json.dumps([{"headers": {"id": "r1"}}, "", "model.a.0"]))
+        # written just before the op began (it names the op before, or none), then nothing: the process is stopped
+        stale = Liveness(pid=1, t=NOW - 14.5, current="", execution_timeout=10)
+        why = watch.verdict(stale, NOW, queue="model.a.0", since=NOW - 100)
+        assert why == ("forward r1 began 14 s ago, past this pool's execution_timeout of 10 s, and the worker "
+                       "showed no sign of life since")
+        assert watch.verdict(stale, NOW) == ""  # from the file alone: only the stall limit, 20 s
+        assert watch.fail_current(stale, why, "model.a.0") == 1
+        assert r.hget(watch.keys.future("r1"), "code") == b"execution_timeout"
+    finally:
+        r.close()
+        broker.kill()
+
+
+def test_a_live_worker_or_an_op_it_did_not_begin_is_not_hung_by_a_record(tmp_path: Path) -> None:
+    broker = PrivateRedis(tmp_path)
+    broker.start()
+    r = redis.Redis(port=broker.port)
+    try:
+        watch = HangWatch(r, Keys(""), record_check_seconds=0)
+        for queue in ("model.a.0", "sampler.s"):
+            r.hset(watch.keys.future(queue), mapping={"status": "running", "started_at": NOW - 14, "op": "forward"})
+            r.hset(UNACKED, f"tag-{queue}", json.dumps([{"headers": {"id": queue}}, "", queue]))
+        silent = Liveness(pid=1, t=NOW - 14.5, execution_timeout=10)
+        assert watch.verdict(silent, NOW, queue="model.a.0", since=NOW - 100)  # the case above
+        # it wrote its file since the op was due to end: alive (the op's outcome is on its way)
+        assert watch.verdict(Liveness(pid=1, t=NOW - 3.5, execution_timeout=10), NOW, queue="model.a.0",
+                             since=NOW - 100) == ""
+        # within its limit and grace
+        assert watch.verdict(silent, NOW - 2, queue="model.a.0", since=NOW - 100) == ""
+        # begun by the worker this one replaced: its redelivery fails it as lost
+        assert watch.verdict(silent, NOW, queue="model.a.0", since=NOW - 10) == ""
+        # a sampler pool runs ops side by side with no limit of its own
+        assert watch.verdict(silent, NOW, queue="sampler.s", since=NOW - 100) == ""
+        # a pool without an execution_timeout
+        assert watch.verdict(Liveness(pid=1, t=NOW - 14.5), NOW, queue="model.a.0", since=NOW - 100) == ""
+        r.hset(watch.keys.future("model.a.0"), "status", "completed")
+        assert watch.verdict(silent, NOW, queue="model.a.0", since=NOW - 100) == ""
+        broker.kill()  # no records to read: no verdict from them (the file's stall limit still applies)
+        assert watch.verdict(silent, NOW, queue="model.a.0", since=NOW - 100) == ""
+    finally:
+        r.close()
+        broker.kill()
+
+
+def test_a_hung_worker_whose_lease_another_worker_took_fails_only_its_own_op_not_the_new_holders(
+        tmp_path: Path) -> None:
+    broker = PrivateRedis(tmp_path)
+    broker.start()
+    r = redis.Redis(port=broker.port)
+    try:
+        watch = HangWatch(r, Keys(""))
+        r.hset(watch.keys.future("its-own"), mapping={"status": "running"})
+        r.hset(watch.keys.future("successors"), mapping={"status": "running"})
+        r.hset(UNACKED, "tag-s", json.dumps([{"headers": {"id": "successors"}}, "", "model.a.0"]))
+        r.hset(watch.keys.pool_lease("model.a.0"), mapping={"host": "node-b", "pid": 4242, "token": "t2"})
+        frozen = Liveness(pid=1, t=NOW - 30, current="its-own", op="forward")
+        assert watch.fail_current(frozen, "it showed no sign of life for 30 s", "model.a.0") == 1
+        assert r.hget(watch.keys.future("its-own"), "code") == b"execution_timeout"
+        assert r.hget(watch.keys.future("successors"), "status") == b"running"  # the new holder's op runs on
+    finally:
+        r.close()
+        broker.kill()

@@ -204,3 +204,18 @@ def test_another_server_answering_the_health_check_does_not_make_this_launchs_ap
     finally:
         _Healthz.body = {"status": "ok"}
         other.shutdown()
+
+
+def test_launch_names_each_set_key_that_has_no_effect_before_it_starts(
+        tmp_path: Path, tiny_model_dir: Path, launches: list[Launch]) -> None:
+    path = config(tmp_path, tiny_model_dir, free_port())
+    path.write_text(path.read_text() + "proxy_location: HeadOnly\n")
+    with socket.socket() as taken:  # a busy port ends the launch right after the notes
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        path.write_text(path.read_text().replace(str(yaml.safe_load(path.read_text())["http_options"]["port"]),
+                                                 str(taken.getsockname()[1])))
+        launch = Launch(tmp_path, path)
+        launches.append(launch)
+        assert launch.wait_exit(60) == 1
+    assert "[twinkle] note: proxy_location: accepted for compatibility, no effect" in launch.output()

@@ -11,7 +11,7 @@ loss_fn_inputs field; only target_tokens and weights go to the server).
 
     loss = -log σ(β · ((Σ lp_chosen - Σ ref_chosen) - (Σ lp_rejected - Σ ref_rejected)))
 
-    twinkle-server launch -c cookbook/client/server/transformer/server_config_e2e.yaml   # another terminal
+    bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml   # another terminal
     python cookbook/client/tinker/self_host/dpo.py --max-steps 20
 """
 

@@ -7,7 +7,7 @@ The loop is pipelined: step t+1's forward_backward and optim_step are submitted 
 are read, so the server always has the next request queued while this process prepares the next batch.
 At the end the adapter is saved with save_state (a resumable checkpoint) and sampled.
 
-    twinkle-server launch -c cookbook/client/server/transformer/server_config_e2e.yaml   # another terminal
+    bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml   # another terminal
     python cookbook/client/tinker/self_host/lora.py --max-steps 40
 
 `--resume tinker://.../weights/<name>` continues from a checkpoint, optimizer state included.

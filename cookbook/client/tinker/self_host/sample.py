@@ -5,6 +5,7 @@ default, the newest checkpoint of this API key that the RestClient lists, e.g. o
 self_cognition.py saved. The prompt is a system + user conversation rendered with the model's chat
 template and an open assistant turn; each completion is printed with its mean token logprob.
 
+    bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml   # another terminal
     python cookbook/client/tinker/self_host/sample.py --question "你是谁？"
 
 The template needs the model's tokenizer on this machine: `--model-dir` (env TWINKLE_MODEL_DIR), by default

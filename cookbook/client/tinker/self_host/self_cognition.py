@@ -6,7 +6,7 @@ the training side is the plain Tinker SDK: forward_backward with cross_entropy, 
 per epoch. Finally a sampling client is opened on the saved weights by their `twinkle://` path (which
 `init_tinker_client` teaches the SDK to accept) and asked "who are you?".
 
-    twinkle-server launch -c cookbook/client/server/transformer/server_config_e2e.yaml   # another terminal
+    bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml   # another terminal
     python cookbook/client/tinker/self_host/self_cognition.py --max-steps 30
 
 The template needs the model's tokenizer on this machine: `--model-dir` (env TWINKLE_MODEL_DIR), by default

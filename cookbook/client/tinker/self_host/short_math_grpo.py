@@ -9,7 +9,7 @@ Each step:
 5. one Datum per completion with target_tokens, the sampling logprobs and the advantage on the completion's
    tokens (0 on the prompt), trained with the `importance_sampling` (or clipped `ppo`) loss.
 
-    twinkle-server launch -c cookbook/client/server/transformer/server_config_e2e.yaml   # another terminal
+    bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml   # another terminal
     python cookbook/client/tinker/self_host/short_math_grpo.py --max-steps 20
 
 The prompts come from a GSM8K-format dataset ({question, answer ending in '#### <number>'}), by default the

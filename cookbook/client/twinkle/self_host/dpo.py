@@ -7,7 +7,7 @@ the bare base model, whose logprobs the server computes in the same call with th
 
     loss = -log σ(β · ((Σ lp_chosen - Σ ref_chosen) - (Σ lp_rejected - Σ ref_rejected)))
 
-    twinkle-server launch -c cookbook/client/server/transformer/server_config_e2e.yaml   # another terminal
+    bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml   # another terminal
     python cookbook/client/twinkle/self_host/dpo.py --max-steps 20
 """
 

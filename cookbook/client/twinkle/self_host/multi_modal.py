@@ -8,7 +8,7 @@ placeholder tokens, pixel values) and trains the adapter on the LaTeX tokens onl
 It needs a server serving a vision-language model: the e2e config serves the tiny LLaVA as `tiny-vl`
 (`bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml` builds it as ./models/tiny-vl).
 
-    twinkle-server launch -c cookbook/client/server/transformer/server_config_e2e.yaml   # another terminal
+    bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml   # another terminal
     python cookbook/client/twinkle/self_host/multi_modal.py --max-steps 20
 
 A server whose backend cannot train on images answers with a clear error; the example then stops at once,

@@ -4,6 +4,7 @@ The adapter is `--adapter-path` (a `twinkle://` checkpoint path) or, by default,
 this API key, e.g. one saved by self_cognition.py. The prompt is a Trajectory (system + user); the sampler
 encodes it with the chat template and an open assistant turn, and decodes what comes back.
 
+    bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml   # another terminal
     python cookbook/client/twinkle/self_host/sample.py --question "你是谁？"
 
 The template needs the model's tokenizer on this machine: `--model-dir` (env TWINKLE_MODEL_DIR), by default

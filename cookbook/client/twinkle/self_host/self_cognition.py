@@ -12,7 +12,7 @@ model files at all.
 - `--resume latest` continues from this API key's newest checkpoint of this example: weights, optimizer,
   schedule and step counter come back, and the DataLoader skips the samples already trained on.
 
-    twinkle-server launch -c cookbook/client/server/transformer/server_config_e2e.yaml   # another terminal
+    bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml   # another terminal
     python cookbook/client/twinkle/self_host/self_cognition.py --max-steps 20
     python cookbook/client/twinkle/self_host/self_cognition.py --resume latest
 """

@@ -9,7 +9,7 @@ Each step:
    input token `advantages` and `old_logps` (0 on the prompt): GRPOLoss is PPO's clipped objective on the
    ratio between the current policy and the one that sampled.
 
-    twinkle-server launch -c cookbook/client/server/transformer/server_config_e2e.yaml   # another terminal
+    bash cookbook/client/server/transformer/run.sh server_config_e2e.yaml   # another terminal
     python cookbook/client/twinkle/self_host/short_math_grpo.py --max-steps 20
 
 The template needs the model's tokenizer on this machine (the prompts are encoded and the completions

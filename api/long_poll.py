@@ -1,0 +1,145 @@
+"""Where a long-poll waits for its future: `await_future`, and the ASGI middleware that parks `retrieve_future`
+polls before the framework builds a request.
+
+Thousands of polls sit parked at once (a client keeps one per future in flight), and what a parked poll
+costs is what it holds while it waits. Parked inside its route it held FastAPI's whole request: about thirty
+nested coroutines, three exit stacks, two Request objects, the solved dependencies, the validated body and a
+timeout task, some 22 KB beyond what uvicorn itself keeps per connection. `LongPolls` parks it in plain ASGI
+instead, after the body's size and depth checks and before routing, holding the scope, the body bytes and one
+`Waiter`; once the future ended (or the long-poll's time ran out) it hands the request to the app, whose
+route answers from the record the wait ended with (`parked_poll`) rather than waiting again.
+
+It only waits: every answer comes from the route. A request it cannot read as a valid poll of a known caller
+(a body that does not parse or validate, no key or an unknown one, a future the caller cannot see, a broker
+that fails) goes to the app at once, which answers it as it would have (400, 401, 404, 503, ...). A wait that
+ends in an error passes the remaining time on, so the route waits no longer than the poll would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from api.context import ApiContext
+from api.schemas import RetrieveFutureBody
+from twinkle.auth import key_from_headers
+from twinkle.errors import TwinkleError
+from twinkle.futures import FutureRecord
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+STATE_KEY = "twinkle.parked_poll"  # in scope["state"], where the route finds the wait's outcome
+
+
+async def await_future(ctx: ApiContext, request_id: str, tenant: str, timeout: float) -> FutureRecord:
+    """The record once terminal or `timeout` passed. The waiter is registered before the first read, so a
+    result published after that read wakes it; a parked poll holds no Redis connection: the hub wakes it
+    (pub/sub, or its batched re-read), and only then is the record read again."""
+    waiter = ctx.hub.register(request_id)
+    # One timer for the whole wait rather than a timeout per round (asyncio.wait_for runs a task of its own).
+    deadline = asyncio.get_running_loop().call_later(timeout, waiter.expire) if timeout > 0 else None
+    if deadline is None:
+        waiter.expire()
+    try:
+        while True:
+            waiter.clear()  # before the read: a wake-up after it is kept for the wait below
+            record = await ctx.store.future(request_id, tenant)
+            if record.state.terminal or waiter.expired:
+                return record
+            await waiter.wait()
+    finally:
+        if deadline is not None:
+            deadline.cancel()
+        ctx.hub.unregister(waiter)
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedPoll:
+    """What `LongPolls` learnt while a poll was parked: the caller and future it waited for, the record the
+    wait ended with (None when the wait ended in an error), and when the long-poll's time runs out."""
+
+    request_id: str
+    tenant: str
+    record: FutureRecord | None
+    deadline: float
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
+def parked_poll(scope: Scope, request_id: str, tenant: str) -> ParkedPoll | None:
+    """The parked wait of this very poll (same future, same caller), if `LongPolls` parked it."""
+    parked = (scope.get("state") or {}).get(STATE_KEY)
+    if isinstance(parked, ParkedPoll) and parked.request_id == request_id and parked.tenant == tenant:
+        return parked
+    return None
+
+
+class LongPolls:
+    """ASGI middleware: parks `POST <path>` (retrieve_future) until its future ended, then passes it on."""
+
+    def __init__(self, app: App, *, ctx: ApiContext, path: str) -> None:
+        self.app = app
+        self.ctx = ctx
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+            await self.app(scope, receive, send)
+            return
+        first = await receive()
+        if first["type"] != "http.request" or first.get("more_body", False):
+            # The client went away, or the body streams (api.body_limit hands JSON bodies over whole): the route
+            # reads it as it comes.
+            await self.app(scope, _replay(first, receive), send)
+            return
+        poll = self._poll_of(scope, first.get("body", b""))
+        if poll is not None:
+            request_id, tenant = poll
+            deadline = time.monotonic() + self.ctx.long_poll_seconds
+            record: FutureRecord | None
+            try:
+                record = await await_future(self.ctx, request_id, tenant, self.ctx.long_poll_seconds)
+            except Exception:  # noqa: BLE001 - the route meets the same error and answers it
+                record = None
+            scope.setdefault("state", {})[STATE_KEY] = ParkedPoll(request_id, tenant, record, deadline)
+        await self.app(scope, _replay(first, receive), send)
+
+    def _poll_of(self, scope: Scope, body: bytes) -> tuple[str, str] | None:
+        """(request id, tenant) of a poll the route would accept as it stands, else None."""
+        x_api_key = authorization = content_type = None
+        for name, value in scope["headers"]:  # the first of each, as the route's header parameters read them
+            if name == b"x-api-key" and x_api_key is None:
+                x_api_key = value.decode("latin-1")
+            elif name == b"authorization" and authorization is None:
+                authorization = value.decode("latin-1")
+            elif name == b"content-type" and content_type is None:
+                content_type = value.decode("latin-1")
+        if content_type is None or content_type.split(";", 1)[0].strip().lower() != "application/json":
+            return None  # the route would not read it as JSON (or might not): it answers, as it stands
+        try:
+            tenant, _ = self.ctx.auth.identify(key_from_headers(x_api_key, authorization))
+            request_id = RetrieveFutureBody.model_validate(json.loads(body)).request_id
+        except (TwinkleError, ValueError, ValidationError):
+            return None
+        return request_id, tenant
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    """`receive` with `first`, already received, handed out again first."""
+    pending: list[Message] = [first]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed

@@ -1,0 +1,150 @@
+"""Long-polls park in plain ASGI, outside the route: a parked poll holds no route frame and wakes when its
+future ends, the long-poll's time is not spent twice, and a poll the middleware cannot read is answered at
+once, by the route, as before."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import uvicorn
+
+from api.app import create_app
+from tests.harness import REDIS_HOST, REDIS_PORT, free_port, require_redis
+from twinkle import blobs
+from twinkle.auth import tenant_id
+from twinkle.config import parse_config
+from twinkle.futures import FutureRecord, new_request_id
+from twinkle.keys import Keys
+
+KEY = "tml-long-poll"
+LONG_POLL_SECONDS = 1.5
+
+
+@dataclass
+class Served:
+    http: httpx.AsyncClient
+    app: Any
+    redis: redis.Redis
+    keys: Keys
+
+    def queued_future(self, owner_key: str = KEY) -> str:
+        """A future no worker runs (its queue has no consumer): only the test ends it."""
+        rid = new_request_id()
+        record = FutureRecord(request_id=rid, op="save_state", owner=tenant_id(owner_key), model_id="",
+                              queue="model.nobody.0", created_at=time.time())
+        self.redis.hset(self.keys.future(rid), mapping=record.to_hash())
+        return rid
+
+    def complete(self, rid: str) -> None:
+        self.redis.set(self.keys.blob_out(rid), blobs.dumps({"path": f"tinker://run/weights/{rid}"}))
+        self.redis.hset(self.keys.future(rid), "status", "completed")
+        self.redis.publish(self.keys.done_channel(rid), "completed")
+
+    @property
+    def parked(self) -> int:
+        return int(self.app.state.ctx.hub.pending)
+
+    async def until_parked(self, n: int) -> None:
+        deadline = time.monotonic() + 10
+        while self.parked < n:
+            assert time.monotonic() < deadline, f"{self.parked} of {n} polls parked"
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Served]:
+    require_redis()
+    prefix = f"test-long-poll-{uuid.uuid4().hex[:8]}:"
+    config = parse_config({"persistence": {"key_prefix": prefix}, "applications": [
+        {"name": "m", "route_prefix": "/api/v1/model/x", "import_path": "model",
+         "args": {"backend": "mock", "model_id": "/nonexistent/x"}}]})
+    app = create_app(config, f"redis://{REDIS_HOST}:{REDIS_PORT}/2", long_poll_seconds=LONG_POLL_SECONDS)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not serving.done(), "the server did not start"
+        await asyncio.sleep(0.01)
+    r = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=2)
+    keys = Keys(prefix)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/api/v1", headers={"X-API-Key": KEY},
+                                 timeout=30) as http:
+        yield Served(http, app, r, keys)
+    server.should_exit = True
+    await serving
+    for key in r.scan_iter(match=f"{prefix}*"):
+        r.delete(key)
+    r.close()
+
+
+def route_frames() -> int:
+    """Live coroutines of the retrieve_future route (a poll parked in it holds one)."""
+    return sum(1 for o in gc.get_objects() if inspect.iscoroutine(o) and o.__qualname__ == "retrieve_future")
+
+
+async def test_a_parked_poll_holds_no_route_and_answers_the_result_once_its_future_completes(
+        served: Served) -> None:
+    rid = served.queued_future()
+    poll = asyncio.create_task(served.http.post("/retrieve_future", json={"request_id": rid}))
+    await served.until_parked(1)
+    await asyncio.sleep(0.1)
+    assert route_frames() == 0
+    assert not poll.done()
+    served.complete(rid)
+    r = await poll
+    assert r.status_code == 200, r.text
+    assert r.json() == {"path": f"tinker://run/weights/{rid}", "type": "save_weights"}
+    assert served.parked == 0
+
+
+async def test_a_poll_of_a_future_that_stays_queued_answers_try_again_when_its_time_is_up_not_twice_that(
+        served: Served) -> None:
+    rid = served.queued_future()
+    began = time.monotonic()
+    r = await served.http.post("/retrieve_future", json={"request_id": rid})
+    took = time.monotonic() - began
+    assert r.status_code == 200, r.text
+    assert r.json()["type"] == "try_again" and r.json()["request_id"] == rid
+    assert LONG_POLL_SECONDS * 0.9 < took < LONG_POLL_SECONDS * 1.6
+    assert served.parked == 0
+
+
+async def test_many_polls_of_one_future_all_wake(served: Served) -> None:
+    rid = served.queued_future()
+    polls = [asyncio.create_task(served.http.post("/retrieve_future", json={"request_id": rid})) for _ in range(20)]
+    await served.until_parked(20)
+    served.complete(rid)
+    assert [r.status_code for r in await asyncio.gather(*polls)] == [200] * 20
+
+
+async def test_polls_the_middleware_cannot_read_are_answered_at_once_by_the_route(served: Served) -> None:
+    mine, theirs = served.queued_future(), served.queued_future(owner_key="tml-someone-else")
+    no_key = {"X-API-Key": ""}
+    as_json, as_text = {"content-type": "application/json"}, {"content-type": "text/plain"}
+    cases = [
+        ("no key", {"json": {"request_id": mine}, "headers": no_key}, 401),
+        ("not JSON", {"content": b"{not json", "headers": as_json}, 400),
+        ("no request id", {"json": {"id": mine}}, 400),
+        ("request id too long", {"json": {"request_id": "x" * 201}}, 400),
+        ("not a JSON content type", {"content": f'{{"request_id": "{mine}"}}', "headers": as_text}, 400),
+        ("another caller's future", {"json": {"request_id": theirs}}, 404),
+        ("no such future", {"json": {"request_id": new_request_id()}}, 404),
+    ]
+    for what, request, status in cases:
+        began = time.monotonic()
+        r = await served.http.post("/retrieve_future", **request)
+        assert r.status_code == status, (what, r.text)
+        assert r.json()["request_id"] == r.headers["x-request-id"], what
+        assert time.monotonic() - began < LONG_POLL_SECONDS / 2, what
+    assert served.parked == 0
