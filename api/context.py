@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,8 @@ from twinkle.checkpoints import CheckpointStore
 from twinkle.download_urls import DownloadSigner
 from twinkle.export_store import ExportStore
 from twinkle.keys import Keys
+
+MODEL_INFO_SECONDS = 1.0  # how long a pool's published model info is reused before it is read again
 
 
 @dataclass
@@ -37,13 +40,26 @@ class ApiContext:
     downloads: DownloadSigner | None = None  # signs download URLs; made on first use (api/routes/downloads.py)
     export_store: ExportStore | None = None  # set: downloads come from an S3-compatible bucket instead
 
+    _model_infos: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+
     async def model_info(self, served: ServedModel) -> dict[str, Any] | None:
-        """What the pool published about its loaded model (vocab size, context length, tokenizer)."""
+        """What the pool published about its loaded model (vocab size, context length, tokenizer).
+
+        Every forward_backward and sample checks its tokens against it: read at most once a second (a pool
+        publishes it when it starts, and serves the configured model until it stops), not once a request."""
         app = served.model_app or served.sampler_app
         if app is None:
             return None
+        now = time.monotonic()
+        cached = self._model_infos.get(app)
+        if cached is not None and now - cached[0] < MODEL_INFO_SECONDS:
+            return cached[1]
         raw = await self.store.r.get(self.keys.pool_info(app))
-        return json.loads(raw) if raw else None
+        if not raw:
+            return None  # no pool has started yet: ask again next time
+        info: dict[str, Any] = json.loads(raw)
+        self._model_infos[app] = (now, info)
+        return info
 
     def per_key_model_limit(self) -> int:
         server = self.config.server_app()

@@ -24,10 +24,12 @@ from twinkle.errors import AdapterGone, BrokerUnavailable, Expired, LimitExceede
 from twinkle.futures import FutureRecord, FutureStatus, new_request_id, request_id_created_at
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord, SamplingSessionRecord, SessionRecord
+from twinkle.task_message import task_message
 from twinkle.telemetry import submit_trace
 from twinkle.tenancy import DEFAULT_POLICY, TenantPolicy, combined_limit, training_runs_exceeded
 
 BROKER_IDENTITY_MAX_AGE = 2.0  # seconds between run_id checks
+READ_AHEAD_RESULTS = 256  # results read along with their record and not taken yet: past this, the oldest go
 
 
 def broker_start_time(info: dict[str, Any]) -> float:
@@ -43,18 +45,24 @@ def broker_start_time(info: dict[str, Any]) -> float:
 
 class Store:
     def __init__(self, r: aioredis.Redis, keys: Keys, celery: Celery, *, future_ttl: int,
-                 session_ttl: int, backlog_windows: dict[str, int] | None = None) -> None:
+                 session_ttl: int, backlog_windows: dict[str, int] | None = None, direct_send: bool = False) -> None:
         self.r = r
         self.keys = keys
         self.celery = celery
+        # The submit script pushes the op's broker message itself (twinkle.task_message): one round trip for the
+        # record, the key's admission and the message, and no thread. Off where Flower or OpenTelemetry needs
+        # Celery's publish hooks (its task-sent events, its trace headers): those send through Celery.
+        self.direct_send = direct_send
         self.future_ttl = future_ttl
         self.session_ttl = session_ttl
         self.broker_started_at = 0.0
+        self._results_read: dict[str, bytes] = {}  # completed results read with their record (`future`), oldest first
         self.broker_run_id = ""
         self._identity_checked = 0.0
         self._identity_refresh: asyncio.Future[None] | None = None
         self.lost = LostFutures(r, keys)
         self._submit_script = r.register_script(_SUBMIT)
+        self._submit_and_send_script = r.register_script(_SUBMIT_AND_SEND)
         self.backlog = BacklogKeys(keys)
         self.backlog_windows = backlog_windows or {}  # queues whose keys' ops beyond their share wait parked
         self._admit_script = r.register_script(ADMIT)
@@ -94,11 +102,19 @@ class Store:
                               broker_run_id=self.broker_run_id, weight=weight,
                               trace=submit_trace(request_id, op, model_id, queue, scope))
         fields = [str(x) for kv in record.to_hash().items() for x in kv]
-        winner = await self._submit_script(
-            keys=[dedupe_key or self.keys.future(request_id), self.keys.queue_tickets(queue),
-                  self.keys.future(request_id), self.keys.blob_in(request_id),
-                  self.keys.model(model_id) if model_id else "", self.keys.owner_futures(owner)],
-            args=[request_id, self.future_ttl, blobs.dumps(payload), time.time(), int(bool(dedupe_key)), *fields])
+        submit_keys = [dedupe_key or self.keys.future(request_id), self.keys.queue_tickets(queue),
+                       self.keys.future(request_id), self.keys.blob_in(request_id),
+                       self.keys.model(model_id) if model_id else "", self.keys.owner_futures(owner)]
+        submit_args: list[str | bytes | int | float] = [request_id, self.future_ttl, blobs.dumps(payload), time.time(),
+                                                         int(bool(dedupe_key)), *fields]
+        if self.direct_send:
+            winner = await self._submit_and_send_script(
+                keys=[*submit_keys, *self.backlog.of(queue, owner), queue],
+                args=[len(submit_args), *submit_args, owner, request_id, op, model_id,
+                      self.backlog_windows.get(queue, 0), MIN_SHARE, self.future_ttl, time.time(),
+                      task_message(self.celery, op, request_id, model_id, queue)])
+            return winner.decode() if isinstance(winner, bytes) else str(winner)
+        winner = await self._submit_script(keys=submit_keys, args=submit_args)
         winner = winner.decode() if isinstance(winner, bytes) else str(winner)
         if winner != request_id:
             return winner  # a retried submit: the first one's future, run once
@@ -125,11 +141,18 @@ class Store:
         return bool(int(sent))
 
     async def future(self, request_id: str, owner: str) -> FutureRecord:
-        raw = await self.r.hgetall(self.keys.future(request_id))
+        """The caller's future record. A completed one's result is read in the same round trip and kept for the
+        `result` call that follows (a long-poll woken by its future's end answers with one read, not two)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(self.keys.future(request_id))
+        pipe.get(self.keys.blob_out(request_id))
+        raw, out = await pipe.execute()
         if raw:
             record = FutureRecord.from_hash(raw)
             if record.owner == owner:
                 if record.state.terminal:
+                    if out is not None and record.state is FutureStatus.COMPLETED:
+                        self._keep_result(request_id, out)
                     return record
                 await self._fresh_broker_identity()
                 return await self.lost.check(record, self.broker_run_id, broker_started_at=self.broker_started_at)
@@ -146,8 +169,15 @@ class Store:
                                 error="The server's queue restarted and lost this request. Submit it again.")
         raise NotFound(f"Future {request_id} not found.")
 
+    def _keep_result(self, request_id: str, data: bytes) -> None:
+        self._results_read[request_id] = data
+        while len(self._results_read) > READ_AHEAD_RESULTS:  # records read by no one asking for their result
+            del self._results_read[next(iter(self._results_read))]
+
     async def result(self, request_id: str) -> Any:
-        data = await self.r.get(self.keys.blob_out(request_id))
+        data: bytes | str | None = self._results_read.pop(request_id, None)
+        if data is None:
+            data = await self.r.get(self.keys.blob_out(request_id))
         if data is None:
             raise Expired(f"The result of {request_id} is no longer available.", hint="Submit the request again.")
         return blobs.loads(data if isinstance(data, bytes) else data.encode())
@@ -298,6 +328,27 @@ redis.call('ZADD', KEYS[6], ARGV[4], ARGV[1])
 redis.call('ZREMRANGEBYRANK', KEYS[6], 0, -201)
 redis.call('EXPIRE', KEYS[6], ARGV[2])
 return ARGV[1]
+"""
+
+# The submit, the key's admission (twinkle.backlog) and the op's broker message in one script: the record and the
+# message are written together or not at all, and a retried submit (the dedupe's winner) sends nothing again.
+# KEYS: _SUBMIT's six, ADMIT's five, the pool's queue list. ARGV: how many of _SUBMIT's arguments come first,
+# those, ADMIT's eight, the message (twinkle.task_message). Returns _SUBMIT's answer.
+_SUBMIT_AND_SEND = f"""
+local function submit(KEYS, ARGV)
+{_SUBMIT}
+end
+local function admit(KEYS, ARGV)
+{ADMIT}
+end
+local n = tonumber(ARGV[1])
+local submit_args = {{unpack(ARGV, 2, n + 1)}}
+local winner = submit({{unpack(KEYS, 1, 6)}}, submit_args)
+if winner ~= submit_args[1] then return winner end
+if admit({{unpack(KEYS, 7, 11)}}, {{unpack(ARGV, n + 2, n + 9)}}) == 1 then
+  redis.call('LPUSH', KEYS[12], ARGV[n + 10])
+end
+return winner
 """
 
 # SADD only while the set is below the limit, as one atomic step on the Redis server.

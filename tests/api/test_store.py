@@ -3,15 +3,18 @@ weight on every future record; the tier's training-run cap next to the server's 
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from api.store import Store, broker_start_time
-from tests.harness import async_redis
-from twinkle.errors import LimitExceeded, QuotaExceeded
+from api.store import READ_AHEAD_RESULTS, Store, broker_start_time
+from tests.harness import REDIS_HOST, REDIS_PORT, async_redis
+from twinkle import blobs
+from twinkle.celery_app import make_celery
+from twinkle.errors import Expired, LimitExceeded, QuotaExceeded
 from twinkle.futures import Op
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
@@ -86,3 +89,79 @@ async def test_the_tiers_training_run_cap_and_the_servers_model_limit_combine_an
         await store.add_model(model("carol", n), limit=0, policy=TenantPolicy(max_training_runs=3))
     with pytest.raises(QuotaExceeded):
         await store.add_model(model("carol", 3), limit=0, policy=TenantPolicy(max_training_runs=3))
+
+
+@pytest.fixture
+async def sending_store() -> AsyncIterator[tuple[Store, str]]:
+    """A store whose submit script pushes each op's broker message itself, on a queue of the test's own holding
+    at most two ops of each key (the rest wait in the key's backlog)."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    queue = f"model.{prefix}pool.0"
+    celery = make_celery(f"redis://{REDIS_HOST}:{REDIS_PORT}/2", events=False)
+    async with async_redis(db=2) as r:
+        yield Store(r, Keys(prefix), celery, future_ttl=60, session_ttl=60, backlog_windows={queue: 2},
+                    direct_send=True), queue
+        async for key in r.scan_iter(f"{prefix}*"):
+            await r.delete(key)
+        await r.delete(queue)
+
+
+def pushed_ids(raw_messages: list[bytes]) -> list[str]:
+    return [json.loads(raw)["headers"]["id"] for raw in reversed(raw_messages)]  # oldest first
+
+
+async def test_a_submit_writes_the_record_and_pushes_the_ops_broker_message_in_one_script(
+        sending_store: tuple[Store, str]) -> None:
+    store, queue = sending_store
+    rid = await store.submit(op=Op.OPTIM_STEP, owner="alice", model_id="m1", queue=queue, payload={"lr": 1e-4})
+    [message] = await store.r.lrange(queue, 0, -1)
+    assert json.loads(message)["headers"]["task"] == "twinkle.optim_step"
+    assert json.loads(message)["headers"]["id"] == rid
+    assert (await store.future(rid, "alice")).status == "queued"
+
+
+async def test_a_retried_submit_gets_the_first_ones_future_and_pushes_no_second_message(
+        sending_store: tuple[Store, str]) -> None:
+    store, queue = sending_store
+    first = await store.submit(op=Op.FORWARD_BACKWARD, owner="alice", model_id="m1", queue=queue, payload=None,
+                               seq_id=7)
+    again = await store.submit(op=Op.FORWARD_BACKWARD, owner="alice", model_id="m1", queue=queue, payload=None,
+                               seq_id=7)
+    assert again == first
+    assert pushed_ids(await store.r.lrange(queue, 0, -1)) == [first]
+
+
+async def test_an_op_past_its_keys_share_of_the_queue_waits_in_the_backlog_and_pushes_no_message(
+        sending_store: tuple[Store, str]) -> None:
+    store, queue = sending_store
+    rids = [await store.submit(op=Op.FORWARD_BACKWARD, owner="alice", model_id="m1", queue=queue, payload=None)
+            for _ in range(3)]
+    assert pushed_ids(await store.r.lrange(queue, 0, -1)) == rids[:2]
+    [parked] = await store.r.lrange(store.backlog.parked(queue, "alice"), 0, -1)
+    assert parked.decode().split()[0] == rids[2]
+
+
+async def completed(store: Store, owner: str, result: Any) -> str:
+    rid = await store.submit(op=Op.OPTIM_STEP, owner=owner, model_id="m1", queue="model.q.0", payload=None)
+    await store.r.hset(store.keys.future(rid), "status", "completed")
+    await store.r.set(store.keys.blob_out(rid), blobs.dumps(result))
+    return rid
+
+
+async def test_a_completed_futures_result_is_read_with_its_record(store: Store) -> None:
+    rid = await completed(store, "alice", {"metrics": {"loss:sum": 1.5}})
+    assert (await store.future(rid, "alice")).status == "completed"
+    await store.r.delete(store.keys.blob_out(rid))  # after the record's read: its result came with it
+    assert await store.result(rid) == {"metrics": {"loss:sum": 1.5}}
+    with pytest.raises(Expired):  # taken once: a later ask reads the broker again
+        await store.result(rid)
+
+
+async def test_results_read_with_their_records_and_never_asked_for_are_let_go(store: Store) -> None:
+    oldest = await completed(store, "alice", "oldest")
+    await store.future(oldest, "alice")
+    for n in range(READ_AHEAD_RESULTS):
+        await store.future(await completed(store, "alice", n), "alice")
+    await store.r.delete(store.keys.blob_out(oldest))
+    with pytest.raises(Expired):
+        await store.result(oldest)
