@@ -45,7 +45,7 @@ def ray_address() -> Iterator[str]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-    ray.init(num_cpus=6, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+    ray.init(address="local", num_cpus=6, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              namespace="twinkle_cluster", resources={"twinkle_test_node": 4})  # for ray_actor_options tests
     yield str(ray.get_runtime_context().gcs_address)
     ray.shutdown()

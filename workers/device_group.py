@@ -57,7 +57,9 @@ def connect(config: Any, *, local_cpus: int) -> None:
         log.info("joined the Ray cluster at %s (namespace %s)", config.ray.address, namespace)
         return
     # loopback only (with workers.factory.PRIVATE_RAY_ENV, set before Ray was imported)
-    ray.init(num_cpus=max(local_cpus, os.cpu_count() or 1), include_dashboard=False, namespace=namespace,
+    # address="local": a new instance even where a `ray start` cluster of this machine is running
+    ray.init(address="local", num_cpus=max(local_cpus, os.cpu_count() or 1), include_dashboard=False,
+             namespace=namespace,
              _node_ip_address="127.0.0.1", log_to_driver=True)
     log.info("started a local Ray instance for this pool (%d CPUs)", max(local_cpus, os.cpu_count() or 1))
 

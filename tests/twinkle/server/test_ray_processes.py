@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -49,7 +50,8 @@ def test_the_gcs_port_is_read_from_host_port_and_ray_client_addresses() -> None:
 @pytest.mark.timeout(180)
 def test_stop_ray_stops_one_clusters_head_and_its_workers_and_leaves_another_clusters_process(
         tmp_path: Path) -> None:
-    pytest.importorskip("ray", reason="the ray extra is not installed")
+    if importlib.util.find_spec("ray") is None:  # never import Ray here: the session's Ray fixture sets its env first
+        pytest.skip("the ray extra is not installed")
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
