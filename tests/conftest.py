@@ -8,6 +8,7 @@ import pytest
 import redis
 
 from tests.harness import REDIS_HOST, REDIS_PORT, LaunchedServer, launch, require_redis
+from tests.private_redis import PrivateRedis
 from twinkle.keys import Keys
 from twinkle.tiny_model import ensure_tiny_model
 
@@ -68,3 +69,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "browser" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.browser)
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[PrivateRedis]:
+    """A redis-server of the test's own, which it may stop, freeze and start again."""
+    server = PrivateRedis(tmp_path / "redis")
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def private_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
+    """A redis-server of the test module's own: kombu's queues and `unacked` hash have no key prefix, so tests of
+    them never use the shared Redis."""
+    server = PrivateRedis(tmp_path_factory.mktemp("private-redis"))
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def private_client(private_broker: PrivateRedis) -> Iterator[redis.Redis]:
+    """A client of `private_broker`, whose data is emptied first."""
+    client = redis.Redis(port=private_broker.port)
+    client.flushdb()
+    yield client
+    client.close()

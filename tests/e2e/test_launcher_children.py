@@ -26,9 +26,10 @@ import redis
 import yaml
 
 from tests.e2e.test_foundation import new_model
-from tests.harness import free_port, mock_config, stop_process_group
+from tests.harness import free_port, mock_config
 from tests.private_redis import PrivateRedis
 from tests.twinkle.server.process_tree import dead_pid
+from tests.twinkle.server.test_launch import Launch as LaunchBase
 from twinkle.keys import Keys
 from twinkle.server import launch_record, process_table
 from twinkle.server.launch_record import ChildRecord, LaunchRecord
@@ -38,41 +39,13 @@ REPO = Path(__file__).resolve().parents[2]
 KEYS = Keys("")
 
 
-class Launch:
-    """One `python -m twinkle.server launch` with its output in a file."""
-
-    def __init__(self, tmp: Path, config_path: Path, *args: str) -> None:
-        self.log_path = tmp / f"launch-{time.monotonic_ns()}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TWINKLE_STATE_DIR": str(tmp / "state")}
-        env.pop("TWINKLE_BROKER_URL", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "twinkle.server", "launch", "-c", str(config_path), *args],
-            cwd=REPO, env=env, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.time() + timeout
-        while "[twinkle] ready" not in self.output():
-            assert self.proc.poll() is None, f"launch exited early:\n{self.output()}"
-            assert time.time() < deadline, f"not ready after {timeout} s:\n{self.output()}"
-            time.sleep(0.2)
+class Launch(LaunchBase):
+    """One `python -m twinkle.server launch` with its output in a file, and the pool workers it started."""
 
     def workers(self) -> list[psutil.Process]:
         return [child for child in psutil.Process(self.proc.pid).children()
                 if child.cmdline()[1:3] == ["-m", "workers"]]
 
-    def stop(self) -> None:
-        stop_process_group(self.proc)
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path / "redis")
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,6 @@ QUEUE = "model.models-tiny.0"
 LEASE_SECONDS = 5.0
 MEDIUM = [datum([(7 * i) % 500 + 3 for i in range(400)]) for _ in range(8)]  # a fraction of a second on mock
 
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[PrivateRedis]:
-    private = PrivateRedis(tmp_path / "redis")
-    private.start()
-    yield private
-    private.kill()
 
 
 def lease_config(tmp: Path, model_dir: Path, broker: PrivateRedis) -> dict[str, Any]:

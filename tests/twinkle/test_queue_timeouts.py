@@ -5,14 +5,12 @@ test's own (kombu's keys have no prefix)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
 from tests.harness import mock_config
-from tests.private_redis import PrivateRedis
 from tests.twinkle.test_queued_ops import KEYS, QUEUE, hold, park, publish, record, request_id, status
 from twinkle.backlog import BacklogKeys, Parked
 from twinkle.catalog import Catalog
@@ -21,20 +19,9 @@ from twinkle.futures import FutureRecord, FutureStatus
 from twinkle.queue_timeouts import SWEEP_SECONDS, QueueTimeoutSweep, timeouts_by_queue
 
 
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path_factory.mktemp("queue-timeouts"))
-    server.start()
-    yield server
-    server.kill()
-
-
 @pytest.fixture
-def r(broker: PrivateRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis(port=broker.port)
-    client.flushdb()
-    yield client
-    client.close()
+def r(private_client: redis.Redis) -> redis.Redis:
+    return private_client
 
 
 def queued(r: redis.Redis, age: float, where: str, *, queue: str = QUEUE, state: str = FutureStatus.QUEUED) -> str:

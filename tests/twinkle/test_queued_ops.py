@@ -7,13 +7,11 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from tests.private_redis import PrivateRedis
 from twinkle import blobs
 from twinkle.backlog import BacklogKeys, Parked
 from twinkle.broker import UNACKED, UNACKED_INDEX, handover_key
@@ -26,20 +24,9 @@ KEYS = Keys("")
 QUEUE = "model.pool.0"
 
 
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path_factory.mktemp("queued-ops"))
-    server.start()
-    yield server
-    server.kill()
-
-
 @pytest.fixture
-def r(broker: PrivateRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis(port=broker.port)
-    client.flushdb()
-    yield client
-    client.close()
+def r(private_client: redis.Redis) -> redis.Redis:
+    return private_client
 
 
 def request_id(age: float = 0.0) -> str:

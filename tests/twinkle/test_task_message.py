@@ -6,10 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
 
@@ -20,13 +17,6 @@ from twinkle.task_message import task_message
 
 QUEUE = "model.task-message-test.0"
 
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path / "redis")
-    server.start()
-    yield server
-    server.kill()
 
 
 def test_the_message_is_the_one_celerys_send_task_pushes_but_for_its_delivery_tag(broker: PrivateRedis) -> None:

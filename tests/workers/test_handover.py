@@ -6,11 +6,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
@@ -21,13 +18,6 @@ from twinkle.celery_app import make_celery
 
 QUEUE = "model.handover-test.0"
 
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path / "redis")
-    server.start()
-    yield server
-    server.kill()
 
 
 def app_with_task(url: str, ran: list[str], gate: threading.Event | None = None) -> Celery:

@@ -5,13 +5,11 @@ adapter but the lost one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from tests.private_redis import PrivateRedis
 from tests.twinkle.test_queued_ops import KEYS, QUEUE, hold, park, publish, record, request_id, status
 from twinkle.backlog import BacklogKeys, BacklogRelease
 from twinkle.errors import lost_state_error
@@ -24,20 +22,9 @@ from workers.runtime import PoolRuntime
 CHECKPOINT = "tinker://run-lost/weights/step-7"
 
 
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path_factory.mktemp("lost-adapters"))
-    server.start()
-    yield server
-    server.kill()
-
-
 @pytest.fixture
-def r(broker: PrivateRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis(port=broker.port)
-    client.flushdb()
-    yield client
-    client.close()
+def r(private_client: redis.Redis) -> redis.Redis:
+    return private_client
 
 
 class Pool:
