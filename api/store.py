@@ -311,9 +311,11 @@ class Store:
 
 # One round trip per submit: dedupe on (scope, seq_id), take a queue ticket, store the payload and the
 # future record, and list it among its owner's latest 200 requests (the console's op list).
+# A re-sent script (redis-py sends it once more when the reply was lost) finds its future and changes nothing.
 # KEYS: dedupe (or any key when there is no seq_id), tickets, future, blob_in, model ("" = none), owner's futures.
 # ARGV: request_id, ttl, payload, now, has_dedupe, then the record's field/value pairs.
 _SUBMIT = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return ARGV[1] end
 if ARGV[5] == '1' then
   local previous = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2], 'GET')
   if previous then return previous end
@@ -343,6 +345,8 @@ local function admit(KEYS, ARGV)
 end
 local n = tonumber(ARGV[1])
 local submit_args = {{unpack(ARGV, 2, n + 1)}}
+-- the same script again (redis-py re-sends it once when the reply was lost): its op is stored and sent already
+if redis.call('EXISTS', KEYS[3]) == 1 then return submit_args[1] end
 local winner = submit({{unpack(KEYS, 1, 6)}}, submit_args)
 if winner ~= submit_args[1] then return winner end
 if admit({{unpack(KEYS, 7, 11)}}, {{unpack(ARGV, n + 2, n + 9)}}) == 1 then

@@ -15,7 +15,7 @@ from tests.harness import REDIS_HOST, REDIS_PORT, async_redis
 from twinkle import blobs
 from twinkle.celery_app import make_celery
 from twinkle.errors import Expired, LimitExceeded, QuotaExceeded
-from twinkle.futures import Op
+from twinkle.futures import Op, new_request_id
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
 from twinkle.tenancy import TenantPolicy
@@ -129,6 +129,18 @@ async def test_a_retried_submit_gets_the_first_ones_future_and_pushes_no_second_
                                seq_id=7)
     assert again == first
     assert pushed_ids(await store.r.lrange(queue, 0, -1)) == [first]
+
+
+async def test_a_submit_script_sent_twice_with_one_request_id_stores_and_pushes_its_op_once(
+        sending_store: tuple[Store, str]) -> None:
+    """What redis-py does when the script's reply was lost to a broken connection: it sends the script again."""
+    store, queue = sending_store
+    rid = new_request_id()
+    for _ in range(2):
+        assert await store.submit(op=Op.OPTIM_STEP, owner="alice", model_id="m1", queue=queue, payload=None,
+                                  request_id=rid) == rid
+    assert pushed_ids(await store.r.lrange(queue, 0, -1)) == [rid]
+    assert (await store.future(rid, "alice")).ticket == 1
 
 
 async def test_an_op_past_its_keys_share_of_the_queue_waits_in_the_backlog_and_pushes_no_message(

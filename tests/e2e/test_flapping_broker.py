@@ -36,14 +36,17 @@ def flapping(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[LaunchedSer
 
 
 def train(c: httpx.Client, model: str, stop: threading.Event, submitted: list[str]) -> None:
-    """One op after another, as a training loop does, riding out the 503s while the broker is away."""
+    """One op after another, as a training loop does, riding out the 503s while the broker is away. Each op
+    carries its seq_id, as the Tinker SDK's do: a submit whose answer was lost with the broker (a 503 for an op
+    Redis had stored) is retried under the same seq_id and runs once."""
     step = 0
     while not stop.is_set():
         if step % 2:
-            body = {"model_id": model, "adam_params": {"learning_rate": 0.01}}
+            body = {"model_id": model, "seq_id": step + 1, "adam_params": {"learning_rate": 0.01}}
             submitted.append(submit(c, "/optim_step", body))
         else:
-            submitted.append(submit(c, "/forward_backward", fb_body(model, [datum([3, 4, 5, 6, 7 + step % 5])])))
+            body = fb_body(model, [datum([3, 4, 5, 6, 7 + step % 5])], seq_id=step + 1)
+            submitted.append(submit(c, "/forward_backward", body))
         settle(c, submitted[-1])
         step += 1
 
