@@ -93,7 +93,7 @@ def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30
     celery = make_celery(broker_url, events=config.flower.enabled)
     catalog = Catalog(config)
     store = Store(r, keys, celery, future_ttl=config.storage.future_ttl_seconds, session_ttl=session_ttl,
-                  backlog_windows=catalog.backlog_windows,
+                  backlog_windows=catalog.backlog_windows, reserving_queues=catalog.reserving_queues,
                   direct_send=not (config.flower.enabled or config.telemetry.enabled))  # both hook Celery's publish
     store.lost.queue_timeouts = timeouts_by_queue(config, catalog)  # a queued record read past it fails
     auth = KeyChecker(set(config.auth.api_keys), config.auth.keys_file, admin_hashes=set(config.auth.admin_keys),

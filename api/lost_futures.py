@@ -1,13 +1,13 @@
 """Futures whose message the broker lost in a restart end `failed` instead of waiting forever.
 
-Every future record carries the Redis `run_id` of the broker it was submitted to. A record whose run_id
-differs from the broker's current one survived a broker restart (AOF, RDB, a restored snapshot) but its
-queued message may not have. The message is looked for where it can be: in its pool queue, parked in its
-key's backlog (twinkle.backlog), or delivered and unacknowledged (kombu's `unacked` hash); for a running op,
-also in the pool's heartbeat, which names the op its worker is executing. Found: the record adopts the new
-run_id and is never checked again. Not found twice, half a second apart (the gap between a worker's BRPOP and
-its unacked write): the record is failed, once, atomically, so that a waiting long-poll wakes up. A record
-that vanished with the broker is the Store's concern (its id's timestamp predates the broker's start).
+Every future record carries the Redis `run_id` of the broker it was submitted to. A record whose run_id differs from
+the broker's current one survived a broker restart (AOF, RDB, a restored snapshot) but its queued message may not
+have. The message is looked for where it can be: in its pool queue, parked in its key's backlog (twinkle.backlog) or
+behind a full-parameter run (twinkle.pool_reservation), or delivered and unacknowledged (kombu's `unacked` hash);
+for a running op, also in the pool's heartbeat, which names the op its worker is executing. Found: the record adopts
+the new run_id and is never checked again. Not found twice, half a second apart (the gap between a worker's BRPOP
+and its unacked write): the record is failed, once, atomically, so that a waiting long-poll wakes up. A record that
+vanished with the broker is the Store's concern (its id's timestamp predates the broker's start).
 
 A queued record past its queue's queue_timeout (`queue_timeouts`) fails with code `queue_timeout` when read,
 as the API's sweep would (twinkle.queue_timeouts): that also covers a message no place holds any more (a frozen
@@ -107,6 +107,9 @@ class LostFutures:
             parked: list[bytes] = await self.r.lrange(  # type: ignore[assignment]
                 BacklogKeys(self.keys).parked(record.queue, record.owner), 0, -1)
             if any(raw.startswith(needle + b" ") for raw in parked):
+                return True
+            # waiting out a full-parameter run's hold of the pool (twinkle.pool_reservation)
+            if await self.r.lpos(self.keys.reservation_parked_ids(record.queue), record.request_id) is not None:
                 return True
         if any(needle in raw for raw in await self.r.hvals(UNACKED)):
             return True

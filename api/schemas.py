@@ -73,6 +73,9 @@ class CreateModelBody(Body):
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfigBody | None = None
     optimizer_config: OptimizerConfigBody | None = None
+    training_mode: Literal["lora", "full"] | None = None
+    """`full`: train all the base model's weights, holding the pool exclusively (where its operator allows it).
+    The Tinker SDK, which has no such field, sends it as user_metadata {"training_mode": "full"}."""
 
 
 class ModelRef(Body):

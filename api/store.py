@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from celery import Celery
 
 from api.lost_futures import LostFutures
+from api.reservations import refuse_while_held, renew_for_session
 from twinkle import blobs
 from twinkle.backlog import ADMIT, MIN_SHARE, BacklogKeys
 from twinkle.celery_app import task_name
@@ -45,7 +46,8 @@ def broker_start_time(info: dict[str, Any]) -> float:
 
 class Store:
     def __init__(self, r: aioredis.Redis, keys: Keys, celery: Celery, *, future_ttl: int,
-                 session_ttl: int, backlog_windows: dict[str, int] | None = None, direct_send: bool = False) -> None:
+                 session_ttl: int, backlog_windows: dict[str, int] | None = None, direct_send: bool = False,
+                 reserving_queues: dict[str, str] | None = None) -> None:
         self.r = r
         self.keys = keys
         self.celery = celery
@@ -66,6 +68,8 @@ class Store:
         self.backlog = BacklogKeys(keys)
         self.backlog_windows = backlog_windows or {}  # queues whose keys' ops beyond their share wait parked
         self._admit_script = r.register_script(ADMIT)
+        # pools a full-parameter run may hold (queue -> "wait" | "refuse"), twinkle.pool_reservation
+        self.reserving_queues = reserving_queues or {}
 
     async def refresh_broker_identity(self) -> None:
         info = await self.r.info("server")
@@ -94,6 +98,8 @@ class Store:
         `weight` is the owner's fair-share weight (its tier's or its key's, twinkle.tenancy), kept on the record
         for the pool's scheduler.
         """
+        if self.reserving_queues.get(queue) == "refuse":
+            await refuse_while_held(self.r, self.keys, queue, model_id)
         request_id = request_id or new_request_id()
         scope = dedupe_scope or model_id
         dedupe_key = self.keys.dedupe(scope, seq_id) if seq_id is not None and scope else ""
@@ -215,6 +221,8 @@ class Store:
         pipe.hset(key, "last_heartbeat", time.time())
         pipe.expire(key, self.session_ttl)
         await pipe.execute()
+        if self.reserving_queues:
+            await renew_for_session(self.r, self.keys, list(self.reserving_queues), session_id)
 
     async def finish_session(self, session_id: str, owner: str, reason: str) -> None:
         await self.session(session_id, owner)

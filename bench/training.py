@@ -22,6 +22,13 @@
     tokens/s, per-tenant step p50/p99 and the errors. Target: fused >= 2x serial at 16 tenants on CPU.
 
         python bench/training.py --multi-tenant [--steps 4] [--tenants 1,4,16]
+(e) Full-parameter runs (`--full`, only this part runs): one full step (batch 8 x 128, AdamW over every weight)
+    through the server and the Tinker SDK (`user_metadata={"training_mode": "full"}`) vs the same step in process
+    with plain transformers + torch.optim.AdamW, on the tiny and the small model. Target ratio <= 1.15. Then the
+    full checkpoint's save and load times and size, and how long a LoRA tenant's forward_backward, submitted
+    while the full run holds the pool, waits while the full run trains 3 more steps and until it is unloaded.
+
+        python bench/training.py --full [--steps 10]
 """
 
 from __future__ import annotations
@@ -98,6 +105,96 @@ def server_step_ms(base_url: str, vocab: int, steps: int) -> float:
         if i >= 3:
             times.append((time.perf_counter() - started) * 1000)
     return statistics.median(times)
+
+
+def in_process_full_step_ms(model_dir: Path, steps: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    rows = torch.tensor(token_rows(model.config.vocab_size))
+    inputs, labels = rows[:, :-1], rows[:, 1:]
+    times = []
+    for i in range(steps + 3):
+        started = time.perf_counter()
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 reduction="sum")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i >= 3:
+            times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def full_rows(work: Path, threads: str, steps: int) -> None:
+    import tinker
+    from tinker import types
+
+    for size in ("tiny", "small"):
+        model_dir = ensure_tiny_model(work / size / "tiny-qwen", **SIZES[size])
+        local = in_process_full_step_ms(model_dir, steps)
+        server = launch(work / size, model_dir, db=10, backend="transformers", env={"OMP_NUM_THREADS": threads},
+                        model_args={"full_finetune": {"enabled": True}})
+        errors = 0
+        try:
+            service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench-full")
+            lora = service.create_lora_training_client(base_model="tiny-qwen", rank=RANK).result()
+            full = service.create_lora_training_client(base_model="tiny-qwen",
+                                                       user_metadata={"training_mode": "full"}).result()
+            data = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
+                                loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * SEQ})
+                    for r in token_rows(512)]
+            times, losses = [], []
+            for i in range(steps + 3):
+                started = time.perf_counter()
+                fb = full.forward_backward(data, "cross_entropy")
+                opt = full.optim_step(types.AdamParams(learning_rate=1e-5))
+                losses.append(fb.result().metrics["loss:sum"])
+                opt.result()
+                if i >= 3:
+                    times.append((time.perf_counter() - started) * 1000)
+            remote = statistics.median(times)
+            print(f"(e) full-parameter step, {size} model, batch {BATCH}x{SEQ}: server {remote:.1f} ms vs in-process "
+                  f"{local:.1f} ms = {remote / local:.3f}x  (loss {losses[0]:.1f} -> {losses[-1]:.1f}, "
+                  f"torch threads: {threads})")
+            began = time.perf_counter()
+            saved = full.save_state("bench").result().path
+            save_s = time.perf_counter() - began
+            from twinkle.auth import tenant_id
+            from twinkle.checkpoints import CheckpointStore, parse_checkpoint_path
+
+            directory = CheckpointStore(server.config["storage"]["checkpoint_dir"]).existing(
+                tenant_id("tml-bench-full"), parse_checkpoint_path(saved))
+            size_mb = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()) / 2**20
+            submitted = time.perf_counter()
+            waiting = lora.forward_backward(data[:1], "cross_entropy")
+            for _ in range(3):
+                full.forward_backward(data, "cross_entropy").result()
+                full.optim_step(types.AdamParams(learning_rate=1e-5)).result()
+            unload_at = time.perf_counter()
+            # the Tinker SDK has no unload call: the REST route, as the Twinkle client sends it
+            import httpx
+
+            httpx.post(f"{server.api}/unload_model", json={"model_id": full.model_id},
+                       headers={"X-API-Key": "tml-bench-full"}, timeout=60).raise_for_status()
+            waiting.result()
+            done = time.perf_counter()
+            began = time.perf_counter()
+            service.create_training_client_from_state_with_optimizer(saved).result()
+            load_s = time.perf_counter() - began
+            print(f"(e) full checkpoint, {size} model: save {save_s:.2f} s, load {load_s:.2f} s (create-via-load, "
+                  f"with optimizer), {size_mb:.1f} MB; a LoRA tenant's forward_backward waited "
+                  f"{unload_at - submitted:.2f} s while the full run trained 3 steps, and was answered "
+                  f"{(done - unload_at) * 1000:.0f} ms after the full run's unload was asked")
+        except Exception as error:  # noqa: BLE001 - a failed run is counted, never a figure
+            errors += 1
+            print(f"(e) {size}: FAILED: {type(error).__name__}: {error}")
+        finally:
+            server.stop()
+        print(f"(e) {size}: errors {errors}")
 
 
 def worker_rss_mb(server: Any, queue: str = "model.models-tiny.0") -> float:
@@ -286,6 +383,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="tiny,small", help="model sizes for (a): tiny, small")
     parser.add_argument("--multi-tenant", action="store_true", help="run only (d), fused vs serial clock cycles")
     parser.add_argument("--tenants", default="1,4,16", help="tenant counts for (d)")
+    parser.add_argument("--full", action="store_true", help="run only (e), full-parameter runs")
     ns = parser.parse_args()
     threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -293,6 +391,9 @@ def main() -> None:
     torch.set_num_threads(int(threads))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if ns.full:
+            full_rows(work, threads, ns.steps)
+            return
         if ns.multi_tenant:
             multi_tenant_rows(work, threads, ns.steps, [int(n) for n in ns.tenants.split(",")])
             return

@@ -76,14 +76,14 @@ def mock_config(model_dir: Path, checkpoint_dir: Path, *, port: int, db: int, ba
                 adapter_config: dict[str, Any] | None = None, max_length: int = 2048,
                 processor: bool = False, queue_config: dict[str, Any] | None = None,
                 auth: dict[str, Any] | None = None, replicas: int = 1,
-                clock: dict[str, Any] | None = None) -> dict[str, Any]:
+                clock: dict[str, Any] | None = None, model_args: dict[str, Any] | None = None) -> dict[str, Any]:
     apps: list[dict[str, Any]] = [
         {"name": "server", "route_prefix": "/api/v1", "import_path": "server",
          "args": {"server_config": server_config or {}}},
         {"name": "models-tiny", "route_prefix": "/api/v1/model/tiny-qwen", "import_path": "model",
          "args": {"backend": backend, "model_id": str(model_dir), "max_length": max_length,
                   "adapter_config": {"max_loras": max_loras, **(adapter_config or {})},
-                  "queue_config": queue_config or {}, **({"clock": clock} if clock else {})},
+                  "queue_config": queue_config or {}, **({"clock": clock} if clock else {}), **(model_args or {})},
          "deployments": [{"name": "ModelManagement",
                           "autoscaling_config": {"min_replicas": replicas, "max_replicas": replicas}}]},
     ]

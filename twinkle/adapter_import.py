@@ -391,8 +391,10 @@ def check_against_base(upload: AdapterUpload, shapes: ModuleShapes, base_name: s
                                  f"[{out_features}, {rank}]: the adapter was made for another base model.",
                                  hint=f"Import an adapter trained on {base_name}.")
     _check_declared_targets(upload.target_modules, set(parts), shapes, base_name)
+    flags = _train_flags(set(parts), shapes)
     return LoraSpec(rank=rank, alpha=upload.alpha, dropout=upload.dropout,
-                    target_modules=spec_targets(set(parts), shapes), **_train_flags(set(parts), shapes))
+                    target_modules=spec_targets(set(parts), shapes), train_mlp=flags["train_mlp"],
+                    train_attn=flags["train_attn"], train_unembed=flags["train_unembed"])
 
 
 def _tensor_hint(name: str) -> str:

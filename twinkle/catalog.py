@@ -54,6 +54,7 @@ class ServedModel:
     max_length: int | None = None
     backend: str = ""
     max_loras: int = 0  # LoRA slots per model replica
+    full_runs: str = ""  # "" = no full-parameter runs; else what other runs' ops do meanwhile: "wait" | "refuse"
 
     @property
     def trainable(self) -> bool:
@@ -68,6 +69,8 @@ class Catalog:
         self.models: dict[str, ServedModel] = {}
         # pool queue -> the window fair share divides among keys (twinkle.backlog); absent: no backlogs
         self.backlog_windows: dict[str, int] = {}
+        # pool queue -> "wait" | "refuse": pools a full-parameter run may hold exclusively (twinkle.pool_reservation)
+        self.reserving_queues: dict[str, str] = {}
         for app in config.model_apps():
             served = self._entry(app.args.model_id, getattr(app.args, "served_model_name", None))
             served.model_app = app.name
@@ -76,6 +79,9 @@ class Catalog:
             served.max_length = app.args.max_length
             served.backend = app.args.backend
             served.max_loras = app.args.adapter_config.max_loras
+            if app.args.full_finetune.enabled:
+                served.full_runs = app.args.full_finetune.while_reserved
+                self.reserving_queues.update(dict.fromkeys(served.model_queues, served.full_runs))
             if app.args.scheduling.policy == "fair":
                 self.backlog_windows.update(dict.fromkeys(served.model_queues, app.args.scheduling.window))
         for app in config.sampler_apps():

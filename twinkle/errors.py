@@ -139,6 +139,16 @@ class AdapterGone(UserError):
     code = "adapter_gone"
 
 
+class PoolReserved(UserError):
+    """Raised when an op needs a pool that a full-parameter run holds exclusively (`full_finetune`), where the pool
+    refuses instead of queueing (`full_finetune.while_reserved: refuse`), or when a second full run asks for a
+    pool already held. 423, not 409 or 503, so the Tinker SDK raises at once instead of retrying for minutes; the
+    message says until when the lease runs."""
+
+    status_code = 423
+    code = "pool_reserved"
+
+
 class LaunchAlreadyRuns(UserError):
     """Raised when `twinkle-server launch` would start pool replicas that a running launch on this machine runs:
     a second consumer of a queue would take messages the first one holds."""

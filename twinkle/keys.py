@@ -109,6 +109,18 @@ class Keys:
         return f"{self.root}rate:rejections"
 
     # workers
+    def pool_reservation(self, queue: str) -> str:
+        """Hash: the full-parameter run holding the pool exclusively (twinkle.pool_reservation)."""
+        return f"{self.root}pool:{queue}:reservation"
+
+    def reservation_parked(self, queue: str) -> str:
+        """List: broker messages of other runs' ops waiting out the pool's reservation, oldest first."""
+        return f"{self.root}pool:{queue}:reservation:parked"
+
+    def reservation_parked_ids(self, queue: str) -> str:
+        """List: the request ids of `reservation_parked`, in the same order (an op's place among them)."""
+        return f"{self.root}pool:{queue}:reservation:parked_ids"
+
     def pool_heartbeat(self, queue: str) -> str:
         return f"{self.root}pool:{queue}:heartbeat"
 

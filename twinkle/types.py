@@ -100,7 +100,9 @@ class AdamParams:
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """How to build one tenant's LoRA adapter."""
+    """How to build one tenant's training run: a LoRA adapter (`mode="lora"`), or with `mode="full"` all the
+    base model's own weights, trained while the run holds its pool exclusively (the train_* flags, rank and
+    target modules then mean nothing)."""
 
     rank: int = 32
     alpha: float | None = None  # None: 32, so the LoRA scale is 32 / rank
@@ -110,6 +112,14 @@ class LoraSpec:
     train_unembed: bool = True
     target_modules: tuple[str, ...] | str | None = None  # None: derived from train_* flags
     dropout: float = 0.0
+    mode: str = "lora"  # TRAINING_MODES
+
+    @property
+    def full(self) -> bool:
+        return self.mode == "full"
+
+
+TRAINING_MODES = ("lora", "full")
 
 
 def lora_spec_from_dict(values: dict[str, Any]) -> LoraSpec:

@@ -170,17 +170,22 @@ class MultiLoraTransformersModel:
     # The adapter.
 
     def add_adapter_to_model(
-        self, adapter_name: str, config: Any = None, gradient_accumulation_steps: int = 1
+        self, adapter_name: str, config: Any = None, gradient_accumulation_steps: int = 1, *,
+        training_mode: Literal["lora", "full"] = "lora",
     ) -> str:
         """Create the adapter on the server and return its training run id.
 
         `config` is a peft.LoraConfig (r, lora_alpha, target_modules, lora_dropout are used) or a dict;
         with `gradient_accumulation_steps=N` only every N-th clip_grad_and_step updates the weights.
+        `training_mode="full"` trains all the base model's weights instead of an adapter (no `config`), where the
+        server allows it: the run holds its pool exclusively while it lives, and other runs wait.
         """
-        return self.submit_add_adapter_to_model(adapter_name, config, gradient_accumulation_steps).result()
+        return self.submit_add_adapter_to_model(
+            adapter_name, config, gradient_accumulation_steps, training_mode=training_mode).result()
 
     def submit_add_adapter_to_model(
-        self, adapter_name: str, config: Any = None, gradient_accumulation_steps: int = 1
+        self, adapter_name: str, config: Any = None, gradient_accumulation_steps: int = 1, *,
+        training_mode: Literal["lora", "full"] = "lora",
     ) -> TwinkleFuture[str]:
         if self._adapter is not None:
             raise InvalidArgument(
@@ -191,11 +196,16 @@ class MultiLoraTransformersModel:
             raise InvalidArgument(
                 f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}."
             )
+        if training_mode not in ("lora", "full"):
+            raise InvalidArgument(f"training_mode must be 'lora' or 'full', got {training_mode!r}.")
+        if training_mode == "full" and config is not None:
+            raise InvalidArgument("A full-parameter run trains every weight: it takes no LoRA config.")
         body = {
             "session_id": self.client.session_id,
             "base_model": self.base_model,
             "lora_config": lora_config_body(config),
             "user_metadata": {"adapter_name": adapter_name},
+            "training_mode": training_mode,
         }
         self.adapter_name = adapter_name
 

@@ -22,6 +22,7 @@ import redis
 from twinkle import merged_export
 from twinkle.checkpoints import CheckpointRef, CheckpointStore, parse_checkpoint_path
 from twinkle.errors import ExportVerificationFailed, InvalidRequest, LimitExceeded, NotFound
+from twinkle.full_checkpoint import is_full_checkpoint
 from twinkle.futures import FutureRecord
 from twinkle.keys import Keys
 from twinkle.types import Datum, ForwardBackwardInput, LoraSpec, chunks_from_tokens, lora_spec_from_dict
@@ -59,6 +60,10 @@ class MergedExports:
         if done is not None and merged_export.is_current(done, saved_at):
             self._publish(rec.owner, ref, done, saved_at)  # again: a crash may have come between commit and this
             return _answer(done)
+        if is_full_checkpoint(directory):
+            raise InvalidRequest(f"{ref.uri()} is a full-parameter checkpoint: it is a whole model already, with "
+                                 "nothing to merge.", hint="Download it as it is (its archive is a Hugging Face "
+                                 "model directory).")
         settings = self.settings
         if settings is None:
             raise InvalidRequest("This pool makes no merged exports.")

@@ -32,7 +32,7 @@ def build_model_backend(args: Any, sampler_factory: Any = None) -> Any:
         return cls(args.model_id, torch_dtype=args.torch_dtype, max_loras=max_loras, max_length=args.max_length,
                    device_mesh=args.device_mesh, sampler_factory=sampler_factory)
     return cls(args.model_id, torch_dtype=args.torch_dtype, max_loras=max_loras, max_length=args.max_length,
-               paging=paging_budget(args.adapter_config))
+               paging=paging_budget(args.adapter_config), max_shard_size=args.full_finetune.max_shard_size)
 
 
 def paging_budget(adapters: Any) -> PagingBudget:

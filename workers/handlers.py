@@ -16,6 +16,7 @@ from twinkle.encryption import encrypt_directory
 from twinkle.errors import InvalidRequest
 from twinkle.futures import FutureRecord, Op
 from twinkle.keys import Keys
+from twinkle.pool_reservation import PoolReservation
 from twinkle.records import ModelRecord, SamplingSessionRecord
 from twinkle.types import (
     AdamParams,
@@ -70,6 +71,23 @@ class ModelPoolHandlers:
         self.queue = queue
         self.residency = SlotResidency(r, keys, queue, backend, lambda: self.live_adapters)
         self.exports = MergedExports(backend, store, r, keys, exports)
+        self.reservation: PoolReservation | None = None  # set where the pool allows full-parameter runs
+
+    def _create(self, rec: FutureRecord, spec: LoraSpec) -> None:
+        """Create the run's adapter; a full-parameter run first takes the pool (twinkle.pool_reservation)."""
+        if not spec.full:
+            self.backend.create_adapter(rec.model_id, spec)
+            return
+        if self.reservation is None:
+            raise InvalidRequest(f"Pool {self.queue} does not allow full-parameter runs.",
+                                 hint="Create a LoRA run, or ask the operator for a pool with full_finetune enabled.")
+        model = self._model(rec.model_id)
+        self.reservation.take(rec, model.session_id if model else "")
+        try:
+            self.backend.create_adapter(rec.model_id, spec)
+        except BaseException:
+            self.reservation.end("the full run could not be created")
+            raise
 
     def adapter_ids(self) -> list[str]:
         return sorted(self.live_adapters)
@@ -79,6 +97,21 @@ class ModelPoolHandlers:
         self.live_adapters.discard(adapter_id)
         self.residency.publish()
         self.twinkle.forget(adapter_id)
+        if self.reservation is not None and self.reservation.holder == adapter_id:
+            self.reservation.end("the full run was unloaded")
+
+    def end_full_run(self, model_id: str, why: str) -> None:
+        """The run's hold of the pool is over (lease, cap, operator): unload it, as the adapter reaper does."""
+        self.drop_adapter(model_id)
+        pipe = self.r.pipeline()
+        pipe.hset(self.keys.model(model_id), mapping={
+            "status": "unloaded", "unload_reason": f"its exclusive hold of pool {self.queue} ended: {why}"})
+        model = self._model(model_id)
+        if model is not None:
+            pipe.srem(self.keys.owner_models(model.owner), model_id)
+            pipe.srem(self.keys.pool_assigned(model.queue), model_id)
+        pipe.execute()
+        log.info("full-parameter run %s unloaded: %s", model_id, why)
 
     def _hold(self, adapter_id: str) -> None:
         self.live_adapters.add(adapter_id)
@@ -108,7 +141,7 @@ class ModelPoolHandlers:
         }
 
     def create_model(self, rec: FutureRecord, spec: LoraSpec) -> dict[str, Any]:
-        self.backend.create_adapter(rec.model_id, spec)
+        self._create(rec, spec)
         self._hold(rec.model_id)
         self.twinkle.forget(rec.model_id)
         return {"model_id": rec.model_id}
@@ -157,7 +190,8 @@ class ModelPoolHandlers:
         result: dict[str, Any] = {"path": ref.uri()}
         if ref.kind == "external_weights":
             result["size_bytes"] = metadata.get("size_bytes")
-            if not req.age_recipients:  # a PEFT adapter download: checked as a user would load it
+            full = bool(model and model.lora.get("mode") == "full")
+            if not req.age_recipients and not full:  # a PEFT adapter download: checked as a user would load it
                 check = self._check_adapter_export(rec, ref)
                 if check is not None:
                     result["export"] = check
@@ -195,7 +229,7 @@ class ModelPoolHandlers:
         if not self.backend.has_adapter(rec.model_id):
             metadata = self.store.metadata(req.owner, ref)  # never through a symlink
             spec = req.lora or lora_spec_from_dict(metadata.get("lora") or {})
-            self.backend.create_adapter(rec.model_id, spec)
+            self._create(rec, spec)
             self._hold(rec.model_id)
         self.backend.load_state(rec.model_id, directory, include_optimizer=req.include_optimizer)
         result: dict[str, Any] = {"path": req.path, "model_id": rec.model_id}

@@ -26,12 +26,15 @@ from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.celery_app import make_celery, task_name
 from twinkle.checkpoints import CheckpointStore
 from twinkle.config import load_config
+from twinkle.config.full_finetune import FullFinetuneConfig
 from twinkle.errors import PoolLeaseHeld
 from twinkle.futures import Op
 from twinkle.keys import Keys
 from twinkle.pool_exit import PoolExit
 from twinkle.pool_lease import PoolLease, client_for
+from twinkle.pool_reservation import PoolReservation
 from twinkle.server import startup, verbosity
+from twinkle.task_message import task_message
 from twinkle.telemetry import op_span, setup_worker_telemetry
 from twinkle.usage import UsageLedger
 from workers import broker_link, processor
@@ -91,6 +94,8 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
             Watchdog(runtime, args.queue_config.execution_timeout).start()
         if adapters.snapshot_interval > 0:
             AdapterSnapshots(model_handlers, runtime.lock, adapters.snapshot_interval).start()
+        if args.full_finetune.enabled:
+            _reserve_for_full_runs(runtime, model_handlers, args.full_finetune)
         info = backend.info
         holder: Any = backend
     elif app.import_path == "sampler":
@@ -118,6 +123,15 @@ def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Key
     _announce_lora_modules(runtime, keys.pool_lora_modules(app.name), holder)
     log.info("pool %s: ready in %.1f s (%s)", queue, time.perf_counter() - started, info.model_name)
     return runtime
+
+
+def _reserve_for_full_runs(runtime: PoolRuntime, handlers: ModelPoolHandlers, full: FullFinetuneConfig) -> None:
+    """Let full-parameter runs hold this pool exclusively (twinkle.pool_reservation)."""
+    reservation = PoolReservation(runtime.r, runtime.keys, runtime.queue, lease_seconds=full.lease_seconds,
+                                  max_hold_seconds=full.max_hold_seconds, refuse=full.while_reserved == "refuse")
+    reservation.end_run = handlers.end_full_run
+    handlers.reservation = runtime.reservation = reservation
+    threading.Thread(target=reservation.watch_forever, args=(runtime.lock,), name="reservation", daemon=True).start()
 
 
 def _announce_lora_modules(runtime: PoolRuntime, key: str, holder: Any) -> None:
@@ -227,6 +241,9 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     broker_link.tolerate_lost_acks()
     for op in Op:
         _register(celery, runtime, op)
+    if runtime.reservation is not None:
+        queue = runtime.queue
+        runtime.reservation.message_for = lambda op, rid, mid: task_message(celery, op, rid, mid, queue)
     runtime.send = lambda parked: celery.send_task(task_name(parked.op), kwargs={
         "request_id": parked.request_id, "model_id": parked.model_id}, queue=runtime.queue, task_id=parked.request_id)
     setup_worker_telemetry(config, app_name, celery)

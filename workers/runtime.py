@@ -27,6 +27,7 @@ from twinkle.errors import AdapterGone, BackendFailure, TwinkleError, lost_state
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
 from twinkle.pool_lease import PoolLease
+from twinkle.pool_reservation import PoolReservation
 from twinkle.queue_timeouts import queue_timeout_error
 from twinkle.queued_ops import QueuedOps
 from twinkle.records import ModelRecord
@@ -79,6 +80,7 @@ class PoolRuntime:
         self.backlog: BacklogRelease | None = None  # set by the pool when keys' ops wait in backlogs (fair share)
         self.send: Callable[[Parked], None] | None = None  # sends a released op's message to this pool's queue
         self._lost_swept: dict[str, float] = {}  # lost adapters whose waiting ops were failed together, and when
+        self.reservation: PoolReservation | None = None  # set by a model pool that allows full-parameter runs
 
     def execute(self, op: str, request_id: str, model_id: str = "") -> None:
         """Run one op; `model_id` is the one its message names (it saves a read), or "" when it names none."""
@@ -124,6 +126,9 @@ class PoolRuntime:
             log.info("%s %s ended while this pool held it; not run", op, request_id)
             self._release_backlog(rec)
             return
+        except _Parked:
+            log.info("%s %s waits: a full-parameter run holds the pool", op, request_id)
+            return
         except TwinkleError as exc:
             self._fail(rec, exc)
             self._release_if_never_created(op, rec, model, exc)
@@ -151,6 +156,7 @@ class PoolRuntime:
         def prepare() -> None:
             self._check_waited(op, rec)  # again at its turn: a pool holds many ops while it chooses between them
             self._check_not_ended(rec)
+            self._check_reservation(op, rec)
             if not self._begin(rec):
                 raise _Vanished
             timing.began = True
@@ -169,9 +175,10 @@ class PoolRuntime:
                 return self.clock.run(job)
             finally:
                 timing.seconds = timing.seconds or job.seconds
-        prepare()
-        with self.lock, self._running(rec):
-            return call()
+        with self.lock:  # prepared under the lock, as in a clock cycle: a reservation changes only under it
+            prepare()
+            with self._running(rec):
+                return call()
 
     def announce(self, key: str, value: str) -> None:
         """Publish a value other processes read (the pool's model info) and keep it published."""
@@ -277,6 +284,24 @@ class PoolRuntime:
             if self._ended(rec):  # the API's sweep failed it while this pool held it (twinkle.queue_timeouts)
                 raise _EndedWhileHeld
             raise queue_timeout_error(op, f"{waited:.0f}", self.queue, self.queue_timeout)
+
+    def _check_reservation(self, op: str, rec: FutureRecord) -> None:
+        """While a full-parameter run holds the pool (twinkle.pool_reservation), another run's op waits parked
+        (or, where the pool refuses, fails with PoolReserved); the holder's own ops renew its lease."""
+        reservation = self.reservation
+        if reservation is None:
+            return
+        if not reservation.diverts(rec):
+            reservation.renew(rec.model_id)
+            return
+        if reservation.park(op, rec):
+            raise _Parked
+        # the reservation's record is gone (an operator deleted it, a broker without persistence restarted):
+        # the run ends before any other op touches the weights it changed
+        holder = reservation.holder or ""
+        if reservation.end_run is not None:
+            reservation.end_run(holder, "its pool reservation vanished from the broker")
+        reservation.end("its record vanished")
 
     def _check_adapter_alive(self, op: str, rec: FutureRecord, model: ModelRecord | None) -> None:
         if self.has_adapter is None or op in (Op.CREATE_MODEL, Op.SAMPLE, Op.UNLOAD_MODEL) or not rec.model_id:
@@ -402,6 +427,10 @@ class _Timing:
 
 class _Vanished(Exception):  # a signal between two steps of one op, never reported
     """The future is gone from the broker: the op is dropped without a trace."""
+
+
+class _Parked(Exception):  # a signal between two steps of one op, never reported
+    """The op waits out a full-parameter run's hold of the pool: its message went to the parked list."""
 
 
 class _EndedWhileHeld(Exception):  # a signal between two steps of one op, never reported

@@ -11,6 +11,7 @@ from api.context import ApiContext
 from api.deps import Ctx, Tenant
 from api.finite_json import FiniteJSONResponse
 from api.long_poll import await_future, parked_poll
+from api.reservations import waiting_reason
 from api.schemas import RetrieveFutureBody
 from api.slots import waiting_for_slot
 from api.tinker_codec import encode_forward_backward_output, encode_sample_output
@@ -58,6 +59,9 @@ async def try_again(ctx: ApiContext, record: FutureRecord) -> dict[str, Any]:
     throttled = await ctx.limiter.over_limit(record.owner, record.queue)
     if throttled:
         queue_state, reason = "paused_rate_limit", f"{throttled}; this request is {reason}"
+    elif record.queue in ctx.catalog.reserving_queues and (
+            reserved := await waiting_reason(ctx.store.r, ctx.keys, record)) is not None:
+        queue_state, reason = "paused_capacity", reserved
     elif (waiting := await waiting_for_slot(ctx, record)) is not None:
         queue_state, reason = "paused_capacity", f"{waiting}; this request is {reason}"
     return {"type": "try_again", "request_id": record.request_id, "queue_state": queue_state,

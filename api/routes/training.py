@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,6 +12,7 @@ from api.checkpoint_writes import submit_save
 from api.context import ApiContext
 from api.deps import Ctx, Policy, Tenant
 from api.provenance import check_provenance
+from api.reservations import refuse_while_held
 from api.schemas import (
     CreateModelBody,
     LoadWeightsBody,
@@ -28,7 +30,7 @@ from twinkle.losses import validate_loss
 from twinkle.records import ModelRecord
 from twinkle.tenancy import TenantPolicy
 from twinkle.tokenizer_files import is_hub_style_name
-from twinkle.types import LoadRequest, LoraSpec, SaveRequest, input_length, lora_spec_from_dict
+from twinkle.types import TRAINING_MODES, LoadRequest, LoraSpec, SaveRequest, input_length, lora_spec_from_dict
 
 router = APIRouter()
 
@@ -66,6 +68,25 @@ def _future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
     return body
 
 
+def training_mode(body: CreateModelBody) -> str:
+    """`lora` or `full`, from the body's field or (the Tinker SDK's way) its user_metadata; both must agree."""
+    metadata = (body.user_metadata or {}).get("training_mode")
+    if metadata is not None and metadata not in TRAINING_MODES:
+        raise InvalidRequest(f"user_metadata training_mode must be one of {', '.join(TRAINING_MODES)}, "
+                             f"got {metadata!r}.")
+    if body.training_mode and metadata and body.training_mode != metadata:
+        raise InvalidRequest(f"training_mode {body.training_mode!r} and user_metadata training_mode {metadata!r} "
+                             "disagree.", hint="Ask for one mode.")
+    return str(body.training_mode or metadata or "lora")
+
+
+def check_same_mode(run_mode: str, checkpoint_mode: str, path: str) -> None:
+    """A LoRA run loads LoRA checkpoints and a full run full ones: never one silently as the other."""
+    if run_mode != checkpoint_mode:
+        raise InvalidRequest(f"{path} is a {checkpoint_mode} checkpoint; this run trains in {run_mode} mode.",
+                             hint=f"Create a {checkpoint_mode} run from it: load_weights with session_id, no model_id.")
+
+
 def lora_spec(body_lora: Any, served_model: str) -> LoraSpec:
     if body_lora is None:
         return LoraSpec()
@@ -84,12 +105,18 @@ async def _register_model(ctx: ApiContext, tenant: str, policy: TenantPolicy, op
     if not served.trainable:
         raise InvalidRequest(f"Base model {base_model!r} is served for sampling only.",
                              hint="Pick a model listed as trainable in get_server_capabilities.")
+    if spec.full and not served.full_runs:
+        raise InvalidRequest(f"Base model {served.name!r} is not open to full-parameter training on this server.",
+                             hint="Create a LoRA run (training_mode 'lora'), or ask the operator to enable "
+                                  "full_finetune on its model application.")
     seq = model_seq_id if model_seq_id is not None else await ctx.store.next_model_seq(session_id)
     model_id = checked_new_id(f"{session_id}:train:{seq}", "model id")
     raw = await ctx.store.r.hgetall(ctx.keys.model(model_id))
     if raw:  # a retried create: same id, same future (deduped on seq 0)
         return ModelRecord.from_hash(raw)
     queue = await _least_loaded(ctx, served.model_queues)
+    if ctx.store.reserving_queues.get(queue) == "refuse":  # before the model counts against the key's limit
+        await refuse_while_held(ctx.store.r, ctx.keys, queue, model_id)
     await ctx.quotas.check(tenant, policy, op)
     await ctx.limiter.admit(tenant, queue)  # before the model counts against the key's model limit
     now = time.time()
@@ -117,7 +144,7 @@ async def create_model(body: CreateModelBody, ctx: Ctx, tenant: Tenant, policy: 
     if body.optimizer_config and body.optimizer_config.type != "adamw":
         raise InvalidRequest(f"Optimizer {body.optimizer_config.type!r} is not supported.",
                              hint="Use the default AdamW optimizer (optimizer_config type 'adamw').")
-    spec = lora_spec(body.lora_config, body.base_model)
+    spec = replace(lora_spec(body.lora_config, body.base_model), mode=training_mode(body))
     record = await _register_model(ctx, tenant, policy, Op.CREATE_MODEL, body.session_id, body.model_seq_id,
                                    body.base_model, spec, body.user_metadata)
     rid = await ctx.store.submit(op=Op.CREATE_MODEL, owner=tenant, model_id=record.model_id,
@@ -135,8 +162,9 @@ async def get_info(body: ModelRef, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
         "model_id": record.model_id,
         "model_data": {"arch": info.get("arch"), "model_name": served.name,
                        "tokenizer_id": _tokenizer_id(served.name, info.get("tokenizer_id"))},
-        "is_lora": True,
-        "lora_rank": record.lora.get("rank"),
+        "is_lora": record.lora.get("mode", "lora") != "full",
+        "lora_rank": record.lora.get("rank") if record.lora.get("mode", "lora") != "full" else None,
+        "training_mode": record.lora.get("mode", "lora"),
         "model_name": served.name,
     }
 
@@ -248,6 +276,7 @@ async def load_weights(body: LoadWeightsBody, ctx: Ctx, tenant: Tenant, policy: 
     metadata = ctx.checkpoints.metadata(tenant, ref)
     if body.model_id:
         record = await ctx.store.model(body.model_id, tenant)
+        check_same_mode(record.lora.get("mode", "lora"), (metadata.get("lora") or {}).get("mode", "lora"), body.path)
         req = LoadRequest(owner=tenant, path=body.path, include_optimizer=body.optimizer)
         await ctx.quotas.check(tenant, policy, Op.LOAD_STATE)
         await ctx.limiter.admit(tenant, record.queue)

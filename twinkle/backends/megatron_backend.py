@@ -139,6 +139,11 @@ class MegatronBackend:
     # Adapters
 
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
+        if spec.full:
+            raise InvalidRequest(
+                "full-parameter training is not available on the megatron backend yet",
+                hint="Train it on a transformers pool (backend: transformers); see docs/full_finetune.md.",
+            )
         from twinkle.backends.megatron.lora_layout import lora_targets, resolve_parts
 
         name = self.tenants.reserve(adapter_id)

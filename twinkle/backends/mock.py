@@ -7,6 +7,17 @@ weight decay, bias-corrected moments) and `torch.nn.utils.clip_grad_norm_`; an `
 accumulated gradient leaves everything untouched, as torch does for parameters whose grad is None.
 The mock model is text-only and has one LoRA target, so `LoraSpec`'s train_* flags and target_modules
 do not change it.
+
+A run created with `LoraSpec(mode="full")` trains all the base model's weights (E, W and b) instead, with
+the same AdamW, clipping and metrics, as `hf.full_run` does on the torch backend: at most one per backend,
+never paged, and while it lives every LoRA op is refused (PoolReserved) and the adapters wait untouched. It
+trains its own copy of the base, so the base stays exactly the original and serves again when the run ends
+(the torch backend trains in place and restores from a copy: the same memory, the same result);
+`sample(None, ...)` and a forward with `disable_lora` meanwhile use that original. The run's passes use no
+LoRA; having no dropout of its own, the mock model applies `LoraSpec.dropout` to the unembedding's input,
+drawn from the run's own RNG. Its checkpoints are mock model directories (config.json, tokenizer files, the
+weights in `mock_model.BASE_FILE`) marked by `twinkle.full_checkpoint`, plus `FULL_OPTIMIZER_FILE` when
+saved with the optimizer.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,21 +35,32 @@ import numpy as np
 from twinkle import losses
 from twinkle.backends.data_parallel import GradientReducer
 from twinkle.backends.mock_model import (
+    ADAPTER_FILE,
+    BaseGrads,
     BigramBase,
     LoraGrads,
     LoraWeights,
+    TargetPass,
+    accumulate_base_gradients,
     accumulate_gradients,
     class_rows,
     load_adapter,
+    load_base,
     nonzero_classes,
     read_model_source,
     save_adapter,
+    save_base,
+    served_base,
     target_logprobs,
 )
 from twinkle.backends.paging import AdapterPager, PagedAdapter, PagingBudget
-from twinkle.errors import InvalidRequest, NotFound
+from twinkle.errors import InvalidRequest, NotFound, PoolReserved
+from twinkle.full_checkpoint import MARKER, is_full_checkpoint, write_marker
+from twinkle.losses import ElementwiseLoss
 from twinkle.samplers.mock import BigramSampling
+from twinkle.tokenizer_files import TOKENIZER_FILE_NAMES
 from twinkle.types import (
+    TRAINING_MODES,
     AdamParams,
     Datum,
     ForwardBackwardInput,
@@ -51,6 +74,8 @@ from twinkle.types import (
 _DEFAULT_ALPHA = 32.0
 _ADAM_CHUNK = 1 << 17  # elements per pass: keeps AdamW's temporaries in cache for large vocabularies
 _OPTIMIZER_KEYS = ("exp_avg_down", "exp_avg_sq_down", "exp_avg_up", "exp_avg_sq_up", "step", "rng_state")
+FULL_OPTIMIZER_FILE = "optimizer.npz"
+_FULL_PARAMETERS = ("embeddings", "unembedding", "bias")
 
 
 @dataclass
@@ -85,6 +110,26 @@ class _Adapter:
         return cls(spec, lora, rng, optimizer, grads, live, np.zeros_like(live))
 
 
+@dataclass
+class _FullRun:
+    """A full-parameter run: its own copy of the base model, trained whole."""
+
+    run_id: str
+    spec: LoraSpec
+    weights: BigramBase
+    rng: np.random.Generator
+    grads: BaseGrads
+    exp_avg: BaseGrads
+    exp_avg_sq: BaseGrads
+    step: int = 0
+    has_grads: bool = False  # a forward_backward ran since the last optim_step
+
+    @classmethod
+    def fresh(cls, run_id: str, spec: LoraSpec, weights: BigramBase, rng: np.random.Generator) -> _FullRun:
+        zeros = BaseGrads.zeros_like
+        return cls(run_id, spec, weights, rng, zeros(weights), zeros(weights), zeros(weights))
+
+
 class MockBackend:
     """A ModelBackend on a numpy class-factored bigram model (no torch); see the module docstring."""
 
@@ -101,20 +146,28 @@ class MockBackend:
         source = read_model_source(model_dir_or_vocab, max_length)
         self.info = source.info
         self.max_loras = max_loras
-        self._base = BigramBase.build(self.info.vocab_size)
+        self._model_dir = source.directory
+        self._base = served_base(source)  # never trained: a full run trains a copy of it
         self._sampling = BigramSampling(self._base, self.info, source.directory)
         self._adapters: dict[str, _Adapter] = {}  # the resident ones; the pager keeps the others
+        self._full: _FullRun | None = None  # never paged: the pager holds LoRA adapters only
         self.pager = AdapterPager(self, max_loras, paging or PagingBudget())
 
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
-        if adapter_id in self.pager:
+        if self.has_adapter(adapter_id):
             raise InvalidRequest(f"Adapter {adapter_id!r} already exists on this backend.")
-        if spec.rank < 1:
+        if spec.mode not in TRAINING_MODES:
+            raise InvalidRequest(f"Unknown training mode {spec.mode!r}.", hint=f"Choose one of {TRAINING_MODES}.")
+        if not spec.full and spec.rank < 1:
             raise InvalidRequest(f"LoRA rank must be at least 1, got {spec.rank}.")
         if spec.seed is not None and spec.seed < 0:
             raise InvalidRequest(f"LoRA seed must be a non-negative integer, got {spec.seed}.")
         if not 0 <= spec.dropout < 1:
             raise InvalidRequest(f"LoRA dropout must be in [0, 1), got {spec.dropout}.")
+        if spec.full:
+            self._start_full_run(adapter_id, spec)
+            return
+        self._refuse_while_full_run()
         self.pager.admit(adapter_id)
         rng = np.random.default_rng(_adapter_seed(adapter_id, spec.seed))
         lora = LoraWeights.fresh(self._base, spec.rank, spec.alpha or _DEFAULT_ALPHA, rng)
@@ -122,12 +175,39 @@ class MockBackend:
         self._adapters[adapter_id] = _Adapter.build(self._base, spec, lora, rng, optimizer)
         self.pager.added(adapter_id)
 
+    def _start_full_run(self, run_id: str, spec: LoraSpec) -> None:
+        if self._full is not None:
+            raise PoolReserved(
+                f"Full-parameter run {self._full.run_id} already holds this backend; it takes one at a time.",
+                hint="Wait until that run is unloaded, or train this one as a LoRA adapter.",
+                holder=self._full.run_id,
+            )
+        rng = np.random.default_rng(_adapter_seed(run_id, spec.seed))
+        self._full = _FullRun.fresh(run_id, spec, self._base.copy(), rng)
+
+    def _refuse_while_full_run(self) -> None:
+        if self._full is not None:
+            raise PoolReserved(
+                f"Full-parameter run {self._full.run_id} holds this backend: its LoRA adapters wait until it ends.",
+                hint="Retry once the full-parameter run is unloaded.",
+                holder=self._full.run_id,
+            )
+
     def remove_adapter(self, adapter_id: str) -> None:
+        """Drop the adapter; for the full run, its trained copy goes and the untouched base serves again."""
+        if self._full is not None and self._full.run_id == adapter_id:
+            self._full = None
+            return
         self.pager.forget(adapter_id)
         self._adapters.pop(adapter_id, None)
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self.pager
+        return adapter_id in self.pager or (self._full is not None and self._full.run_id == adapter_id)
+
+    @property
+    def full_run(self) -> str | None:
+        """The id of the full-parameter run living on this backend, if any."""
+        return None if self._full is None else self._full.run_id
 
     def page_out(self, adapter_id: str) -> PagedAdapter:
         """The adapter's whole state: it already lives in host memory, so paging out moves no bytes here."""
@@ -147,12 +227,21 @@ class MockBackend:
         return self.pager.stats.as_dict()
 
     def forward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
+        run = self._full_run(adapter_id)
+        if run is not None:
+            return self._run_full(run, batch, train=False)
         return self._run(self._adapter(adapter_id), batch, train=False)
 
     def forward_backward(self, adapter_id: str, batch: ForwardBackwardInput) -> ForwardBackwardOutput:
+        run = self._full_run(adapter_id)
+        if run is not None:
+            return self._run_full(run, batch, train=True)
         return self._run(self._adapter(adapter_id), batch, train=True)
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
+        run = self._full_run(adapter_id)
+        if run is not None:
+            return _full_optim_step(run, params)
         adapter = self._adapter(adapter_id)
         _check_adam_params(params)
         metrics = {"learning_rate:mean": float(params.learning_rate), "grad_norm:mean": 0.0}
@@ -182,6 +271,12 @@ class MockBackend:
     def sync_gradients(self, adapter_id: str, reducer: GradientReducer) -> None:
         """Sum the adapter's accumulated gradients over the data-parallel ranks (backends.data_parallel), in
         one all-reduce; the token blocks with gradient become the union of every rank's."""
+        run = self._full_run(adapter_id)
+        if run is not None:
+            flag = np.array([run.has_grads], np.float32)
+            reducer.sum_([flag, *run.grads.arrays()])
+            run.has_grads = bool(flag[0] > 0)
+            return
         adapter = self._adapter(adapter_id)
         counts = np.concatenate([[np.float32(adapter.has_grads)], adapter.grad_classes.astype(np.float32)])
         reducer.sum_([counts, adapter.grads.down, adapter.grads.up])
@@ -193,6 +288,10 @@ class MockBackend:
         adapter.has_grads = True
 
     def save_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
+        run = self._full_run(adapter_id)
+        if run is not None:
+            self._save_full(run, Path(directory), include_optimizer=include_optimizer)
+            return
         adapter = self._adapter(adapter_id)
         extra: dict[str, np.ndarray] = {}
         if include_optimizer:
@@ -210,7 +309,17 @@ class MockBackend:
     def load_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
         """Replace the adapter's weights; with `include_optimizer` also its AdamW moments, step count and
         RNG, otherwise the optimizer restarts from zero. Unapplied gradients are dropped either way."""
+        run = self._full_run(adapter_id)
+        if run is not None:
+            self._load_full(run, Path(directory), include_optimizer=include_optimizer)
+            return
         adapter = self._adapter(adapter_id)
+        if is_full_checkpoint(Path(directory)):
+            raise InvalidRequest(
+                f"{Path(directory).name} is a full-parameter checkpoint (a whole model, written by a full run), "
+                "not a LoRA adapter.",
+                hint="Create a full-parameter model (mode='full') and load it there.",
+            )
         lora, extra = load_adapter(Path(directory), self._base)
         if lora.rank != adapter.lora.rank:
             raise InvalidRequest(
@@ -235,13 +344,90 @@ class MockBackend:
         self._adapters[adapter_id] = _Adapter.build(self._base, adapter.spec, lora, adapter.rng, optimizer)
 
     def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
+        run = self._full_run(adapter_id)
+        if run is not None:
+            self._save_full(run, Path(directory), include_optimizer=False)
+            return
         save_adapter(Path(directory), self._base, self._adapter(adapter_id).lora, {})
 
     def sample(self, adapter_id: str | None, requests: list[SampleRequest]) -> list[SampleOutput]:
+        run = None if adapter_id is None else self._full_run(adapter_id)
+        if run is not None:
+            return [self._sampling.sample(None, request, base=run.weights) for request in requests]
         lora = None if adapter_id is None else self._adapter(adapter_id).lora
         return [self._sampling.sample(lora, request) for request in requests]
 
+    def _full_run(self, adapter_id: str) -> _FullRun | None:
+        return self._full if self._full is not None and self._full.run_id == adapter_id else None
+
+    def _save_full(self, run: _FullRun, directory: Path, *, include_optimizer: bool) -> None:
+        """A mock model directory of the run's weights (usable as a model itself), marked as a full checkpoint;
+        with `include_optimizer` also the AdamW moments, step count and RNG, so a resume is bit-exact."""
+        self._write_model_files(directory)
+        save_base(directory, run.weights)
+        if include_optimizer:
+            arrays = {"step": np.array(run.step), "rng_state": np.array(json.dumps(run.rng.bit_generator.state))}
+            for moment, state in (("exp_avg", run.exp_avg), ("exp_avg_sq", run.exp_avg_sq)):
+                names = (f"{moment}_{parameter}" for parameter in _FULL_PARAMETERS)
+                arrays |= dict(zip(names, state.arrays(), strict=True))
+            with open(directory / FULL_OPTIMIZER_FILE, "wb") as handle:
+                np.savez(handle, allow_pickle=False, **arrays)
+        else:
+            (directory / FULL_OPTIMIZER_FILE).unlink(missing_ok=True)  # a directory rewritten in place: no stale state
+        write_marker(directory, base_model=self.info.model_name, steps=run.step, include_optimizer=include_optimizer)
+
+    def _write_model_files(self, directory: Path) -> None:
+        """The served model's config.json and tokenizer files, so the checkpoint is a model directory too."""
+        if self._model_dir is None:
+            (directory / "config.json").write_text(json.dumps({"vocab_size": self.info.vocab_size}))
+            return
+        for name in TOKENIZER_FILE_NAMES:  # config.json among them
+            if (self._model_dir / name).is_file():
+                shutil.copyfile(self._model_dir / name, directory / name)
+
+    def _load_full(self, run: _FullRun, directory: Path, *, include_optimizer: bool) -> None:
+        """Replace the run's weights; with `include_optimizer` also its AdamW moments, step count and RNG,
+        otherwise the optimizer restarts from zero. Unapplied gradients are dropped either way."""
+        if not is_full_checkpoint(directory) and (directory / ADAPTER_FILE).is_file():
+            raise InvalidRequest(
+                f"{directory.name} is a LoRA adapter checkpoint, and this model is a full-parameter run.",
+                hint="Create a LoRA model (mode='lora') with the checkpoint's rank and load it there.",
+            )
+        if not is_full_checkpoint(directory):
+            raise InvalidRequest(
+                f"{directory.name} is not a full-parameter checkpoint: {MARKER} is missing.",
+                hint="Pass a path written by save_state or save_weights_for_sampler of a full-parameter run.",
+            )
+        weights = load_base(directory, self.info.vocab_size)
+        if weights.embeddings.shape != run.weights.embeddings.shape:
+            raise InvalidRequest(f"{directory.name} holds a model of another shape than this backend's.")
+        loaded = _FullRun.fresh(run.run_id, run.spec, weights, run.rng)
+        if include_optimizer:
+            path = directory / FULL_OPTIMIZER_FILE
+            if not path.is_file():
+                raise InvalidRequest(
+                    "This checkpoint holds weights only, without optimizer state.",
+                    hint="Load it without the optimizer, or save with save_state to keep the optimizer.",
+                )
+            with np.load(path, allow_pickle=False) as stored:
+                state = {key: stored[key] for key in stored.files}
+            loaded.exp_avg = BaseGrads(*(state[f"exp_avg_{parameter}"] for parameter in _FULL_PARAMETERS))
+            loaded.exp_avg_sq = BaseGrads(*(state[f"exp_avg_sq_{parameter}"] for parameter in _FULL_PARAMETERS))
+            loaded.step = int(state["step"])
+            run.rng.bit_generator.state = json.loads(str(state["rng_state"]))
+        self._full = loaded
+
+    def _run_full(self, run: _FullRun, batch: ForwardBackwardInput, *, train: bool) -> ForwardBackwardOutput:
+        # disable_lora scores with the original base: the reference a full run's KL terms want.
+        weights = self._base if batch.disable_lora and not train else run.weights
+        forward, result, shapes = self._score(weights, None, batch, run.rng, run.spec.dropout if train else 0.0)
+        if train:
+            accumulate_base_gradients(run.weights, forward, result.dloss_dlp, run.grads)
+            run.has_grads = True
+        return _outputs(forward, result, shapes)
+
     def _adapter(self, adapter_id: str) -> _Adapter:
+        self._refuse_while_full_run()
         self.pager.use(adapter_id)
         adapter = self._adapters.get(adapter_id)
         if adapter is None:
@@ -249,39 +435,39 @@ class MockBackend:
         return adapter
 
     def _run(self, adapter: _Adapter, batch: ForwardBackwardInput, *, train: bool) -> ForwardBackwardOutput:
-        losses.validate_loss(batch.loss_fn, batch.data, batch.loss_fn_config)
-        self._check_tokens(batch.data)
-        prev, target, inputs, target_shapes = _flatten(batch)
-        dropout = adapter.spec.dropout if train else 0.0
-        mask = None
-        if dropout > 0:
-            keep = adapter.rng.random((len(prev), self._base.dim)) >= dropout
-            mask = keep.astype(np.float32) / np.float32(1 - dropout)
         lora = None if batch.disable_lora and not train else adapter.lora
-        forward = target_logprobs(self._base, lora, prev, target, mask)
-        result = losses.elementwise_loss_and_grad(
-            batch.loss_fn, forward.logprobs, inputs, batch.loss_fn_config,
-            segments=[math.prod(shape) for shape in target_shapes],
-        )
+        dropout = adapter.spec.dropout if train else 0.0
+        forward, result, shapes = self._score(self._base, lora, batch, adapter.rng, dropout)
         if train:
             accumulate_gradients(self._base, adapter.lora, forward, result.dloss_dlp, adapter.grads)
             touched = forward.classes(self._base.num_classes)
             adapter.grad_classes |= touched
             adapter.live_classes |= touched
             adapter.has_grads = True
-        metrics = {"loss:sum": float(result.loss.sum(dtype=np.float64)), **result.metrics}
-        outputs = []
-        offset = 0
-        for shape in target_shapes:
-            size = math.prod(shape)
-            outputs.append(
-                {
-                    "logprobs": forward.logprobs[offset : offset + size].reshape(shape),
-                    "elementwise_loss": result.loss[offset : offset + size].astype(np.float32).reshape(shape),
-                }
-            )
-            offset += size
-        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
+        return _outputs(forward, result, shapes)
+
+    def _score(
+        self,
+        base: BigramBase,
+        lora: LoraWeights | None,
+        batch: ForwardBackwardInput,
+        rng: np.random.Generator,
+        dropout: float,
+    ) -> tuple[TargetPass, ElementwiseLoss, list[tuple[int, ...]]]:
+        """The batch's target logprobs and loss, with dropout masks drawn from `rng` when `dropout` > 0."""
+        losses.validate_loss(batch.loss_fn, batch.data, batch.loss_fn_config)
+        self._check_tokens(batch.data)
+        prev, target, inputs, target_shapes = _flatten(batch)
+        mask = None
+        if dropout > 0:
+            keep = rng.random((len(prev), base.dim)) >= dropout
+            mask = keep.astype(np.float32) / np.float32(1 - dropout)
+        forward = target_logprobs(base, lora, prev, target, mask)
+        result = losses.elementwise_loss_and_grad(
+            batch.loss_fn, forward.logprobs, inputs, batch.loss_fn_config,
+            segments=[math.prod(shape) for shape in target_shapes],
+        )
+        return forward, result, target_shapes
 
     def _check_tokens(self, data: list[Datum]) -> None:
         vocab = self.info.vocab_size
@@ -300,6 +486,48 @@ class MockBackend:
                     problems.append(f"datum {index}: {name} has token ids outside [0, {vocab})")
         if problems:
             raise InvalidRequest("; ".join(problems[:10]) + ".", hint="Shorten or fix the listed datums.")
+
+
+def _outputs(
+    forward: TargetPass, result: ElementwiseLoss, target_shapes: list[tuple[int, ...]]
+) -> ForwardBackwardOutput:
+    metrics = {"loss:sum": float(result.loss.sum(dtype=np.float64)), **result.metrics}
+    outputs = []
+    offset = 0
+    for shape in target_shapes:
+        size = math.prod(shape)
+        outputs.append(
+            {
+                "logprobs": forward.logprobs[offset : offset + size].reshape(shape),
+                "elementwise_loss": result.loss[offset : offset + size].astype(np.float32).reshape(shape),
+            }
+        )
+        offset += size
+    return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
+
+
+def _full_optim_step(run: _FullRun, params: AdamParams) -> dict[str, float]:
+    """The adapters' optimizer on every weight of the model: norm, clip, one AdamW step, zero the grads."""
+    _check_adam_params(params)
+    metrics = {"learning_rate:mean": float(params.learning_rate), "grad_norm:mean": 0.0}
+    if not run.has_grads:
+        return metrics
+    grads = run.grads.arrays()
+    norm = math.sqrt(sum(float(np.dot(grad.ravel(), grad.ravel())) for grad in grads))
+    metrics["grad_norm:mean"] = norm
+    if params.grad_clip_norm > 0:
+        clip_coefficient = params.grad_clip_norm / (norm + 1e-6)
+        if clip_coefficient < 1:
+            for grad in grads:
+                grad *= np.float32(clip_coefficient)
+    run.step += 1
+    parts = zip(run.weights.parameters(), grads, run.exp_avg.arrays(), run.exp_avg_sq.arrays(), strict=True)
+    for weights, grad, exp_avg, exp_avg_sq in parts:
+        _adamw(weights, grad, exp_avg, exp_avg_sq, run.step, params)
+        grad.fill(0)
+    run.weights.mask_padding()
+    run.has_grads = False
+    return metrics
 
 
 def _flatten(

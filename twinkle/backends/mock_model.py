@@ -15,6 +15,10 @@ its class). E [V, d], W [C + C·S, d] and b are the frozen base model, drawn fro
 process builds the same one. A [d, r] and B [C + C·S, r] are one tenant's LoRA adapter: A is random, B
 starts at zero (a fresh adapter is exactly the base model), and scale = alpha / r. Matrices are stored
 output-major so that a class's block of rows is contiguous.
+
+A full-parameter run trains E, W and b themselves (`accumulate_base_gradients`) on its own copy of the base,
+and saves them with `save_base`: a model directory holding that file (`BASE_FILE`) is served with those
+weights instead of the seeded ones (`served_base`), so a full checkpoint is itself a mock model directory.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ EMBEDDING_DIM = 32
 DEFAULT_CONTEXT_LENGTH = 32768
 ADAPTER_FILE = "adapter.npz"
 ADAPTER_FORMAT = "twinkle-mock-lora/1"
+BASE_FILE = "mock_bigram.npz"
+BASE_FORMAT = "twinkle-mock-bigram/1"
 _BASE_SEED = 20240917
 _MASKED_LOGIT = np.float32(-1e30)  # padding ids: exp() underflows to exactly 0, and no inf arithmetic
 
@@ -54,8 +60,7 @@ class BigramBase:
     def build(cls, vocab_size: int, dim: int = EMBEDDING_DIM) -> BigramBase:
         if vocab_size < 2:
             raise ValueError(f"The mock model needs a vocabulary of at least 2 tokens, got {vocab_size}.")
-        class_size = math.isqrt(vocab_size - 1) + 1
-        num_classes = -(-vocab_size // class_size)
+        class_size, num_classes = _class_layout(vocab_size)
         rng = np.random.default_rng([_BASE_SEED, vocab_size, dim])
         embeddings = rng.standard_normal((vocab_size, dim), dtype=np.float32)
         unembedding = rng.standard_normal((num_classes * (class_size + 1), dim), dtype=np.float32)
@@ -76,6 +81,19 @@ class BigramBase:
         """The rows of W, b and B holding the token logits of one class."""
         start = self.num_classes + token_class * self.class_size
         return slice(start, start + self.class_size)
+
+    def parameters(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """E, W and b: what a full-parameter run trains."""
+        return self.embeddings, self.unembedding, self.bias
+
+    def copy(self) -> BigramBase:
+        return BigramBase(self.vocab_size, self.class_size, self.num_classes,
+                          *(array.copy() for array in self.parameters()))
+
+    def mask_padding(self) -> None:
+        """Pin the padding ids' logits to the mask again. Their gradient is exactly zero, but weight decay
+        would still scale the mask, and a decay factor below zero would turn it into the largest logit."""
+        self.bias[self.num_classes + self.vocab_size :] = _MASKED_LOGIT
 
 
 @dataclass
@@ -111,6 +129,22 @@ class LoraGrads:
         return cls(np.zeros_like(lora.down), np.zeros_like(lora.up))
 
 
+@dataclass
+class BaseGrads:
+    """Accumulated gradients (or AdamW moments) of a full-parameter run, shaped like the base's E, W, b."""
+
+    embeddings: np.ndarray
+    unembedding: np.ndarray
+    bias: np.ndarray
+
+    @classmethod
+    def zeros_like(cls, base: BigramBase) -> BaseGrads:
+        return cls(*(np.zeros_like(array) for array in base.parameters()))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.embeddings, self.unembedding, self.bias
+
+
 def class_rows(base: BigramBase, classes: np.ndarray) -> list[slice]:
     """Rows of B holding the class logits plus the token blocks of `classes` (a bool mask [C]), as
     contiguous runs. The optimizer touches only these: every other row of B is zero in the weights,
@@ -136,7 +170,7 @@ class TargetPass:
     """Target logprobs of a batch of (prev, target) pairs, and what the backward pass reuses."""
 
     logprobs: np.ndarray  # [N] float32
-    features: np.ndarray  # h, after LoRA dropout [N, d]
+    features: np.ndarray  # h after dropout: the input of A, or of W in a full run [N, d]
     low_rank: np.ndarray  # scale · h·A [N, r]
     target_class: np.ndarray  # [N]
     class_probs: np.ndarray  # [N, C]
@@ -144,6 +178,8 @@ class TargetPass:
     group_starts: np.ndarray  # into `order`, one per distinct class, plus N
     token_probs: np.ndarray  # within-class probabilities, rows in `order` [N, S]
     within_class: np.ndarray  # position of each target inside its class, rows in `order` [N]
+    prev: np.ndarray  # [N]
+    dropout_mask: np.ndarray | None  # scaled by 1/(1-p) [N, d]
 
     def classes(self, num_classes: int) -> np.ndarray:
         """The classes of this pass's targets, as a bool mask [C]."""
@@ -159,10 +195,12 @@ def target_logprobs(
     target: np.ndarray,
     dropout_mask: np.ndarray | None = None,
 ) -> TargetPass:
-    """log p(target | prev) per row; `dropout_mask` (already scaled by 1/(1-p)) applies to A's input."""
-    hidden = base.embeddings[prev]
-    features = hidden if dropout_mask is None else hidden * dropout_mask
+    """log p(target | prev) per row. `dropout_mask` (already scaled by 1/(1-p)) applies to the input of the
+    trained weights: A's with a LoRA, W's without one (a full-parameter run)."""
+    embedded = base.embeddings[prev]
+    features = embedded if dropout_mask is None else embedded * dropout_mask
     low_rank = _low_rank(features, lora)
+    hidden = embedded if lora is not None else features
     target_class = target // base.class_size
     class_lp, class_probs = _softmax(_logits(base, lora, hidden, low_rank, slice(0, base.num_classes)))
 
@@ -191,6 +229,8 @@ def target_logprobs(
         group_starts=group_starts,
         token_probs=token_probs,
         within_class=within,
+        prev=prev,
+        dropout_mask=dropout_mask,
     )
 
 
@@ -198,15 +238,7 @@ def accumulate_gradients(
     base: BigramBase, lora: LoraWeights, forward: TargetPass, dloss_dlp: np.ndarray, grads: LoraGrads
 ) -> None:
     """Add d(loss)/d(A, B) into `grads`, given d(loss)/d(logprob) per row of `forward`."""
-    dlp = dloss_dlp.astype(grads.up.dtype, copy=False)
-    rows = np.arange(len(dlp))
-    # d lp / d logits of a log-softmax is onehot(target) - softmax.
-    class_dlogits = forward.class_probs * -dlp[:, None]
-    class_dlogits[rows, forward.target_class] += dlp
-    sorted_dlp = dlp[forward.order]
-    token_dlogits = forward.token_probs * -sorted_dlp[:, None]
-    token_dlogits[rows, forward.within_class] += sorted_dlp
-
+    class_dlogits, token_dlogits = _dlogits(forward, dloss_dlp.astype(grads.up.dtype, copy=False))
     classes = slice(0, base.num_classes)
     grads.up[classes] += class_dlogits.T @ forward.low_rank
     dlow = class_dlogits @ lora.up[classes]
@@ -220,6 +252,47 @@ def accumulate_gradients(
     dlow[forward.order] += sorted_dlow
     dlow *= np.float32(lora.scale)
     grads.down += forward.features.T @ dlow
+
+
+def accumulate_base_gradients(
+    base: BigramBase, forward: TargetPass, dloss_dlp: np.ndarray, grads: BaseGrads
+) -> None:
+    """Add d(loss)/d(E, W, b) into `grads`, given d(loss)/d(logprob) per row of `forward`, a pass of `base`
+    without LoRA (`target_logprobs(base, None, ...)`)."""
+    class_dlogits, token_dlogits = _dlogits(forward, dloss_dlp.astype(grads.bias.dtype, copy=False))
+    features = forward.features
+    classes = slice(0, base.num_classes)
+    grads.unembedding[classes] += class_dlogits.T @ features
+    grads.bias[classes] += class_dlogits.sum(axis=0)
+    dfeatures = class_dlogits @ base.unembedding[classes]
+    sorted_features = features[forward.order]
+    sorted_dfeatures = np.empty_like(sorted_features)
+    for start, stop in itertools.pairwise(forward.group_starts):
+        block = base.block(int(forward.target_class[forward.order[start]]))
+        rows = slice(start, stop)
+        grads.unembedding[block] += token_dlogits[rows].T @ sorted_features[rows]
+        grads.bias[block] += token_dlogits[rows].sum(axis=0)
+        sorted_dfeatures[rows] = token_dlogits[rows] @ base.unembedding[block]
+    dfeatures[forward.order] += sorted_dfeatures
+    if forward.dropout_mask is not None:
+        dfeatures *= forward.dropout_mask
+    # Rows sharing a previous token add into one row of E: sum them first, then scatter once.
+    tokens, inverse = np.unique(forward.prev, return_inverse=True)
+    per_token = np.zeros((len(tokens), features.shape[1]), dfeatures.dtype)
+    np.add.at(per_token, inverse, dfeatures)
+    grads.embeddings[tokens] += per_token
+
+
+def _dlogits(forward: TargetPass, dlp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """d(loss)/d(class logits) [N, C] and d(loss)/d(within-class logits) [N, S], rows in `forward.order`."""
+    rows = np.arange(len(dlp))
+    # d lp / d logits of a log-softmax is onehot(target) - softmax.
+    class_dlogits = forward.class_probs * -dlp[:, None]
+    class_dlogits[rows, forward.target_class] += dlp
+    sorted_dlp = dlp[forward.order]
+    token_dlogits = forward.token_probs * -sorted_dlp[:, None]
+    token_dlogits[rows, forward.within_class] += sorted_dlp
+    return class_dlogits, token_dlogits
 
 
 def next_token_logprobs(base: BigramBase, lora: LoraWeights | None, prev: np.ndarray) -> np.ndarray:
@@ -270,6 +343,59 @@ def load_adapter(directory: Path, base: BigramBase) -> tuple[LoraWeights, dict[s
     return lora, arrays
 
 
+def save_base(directory: Path, base: BigramBase) -> None:
+    """Write the base model's weights (`BASE_FILE`) into `directory`: a model directory with this file and a
+    config.json is served with these weights (`served_base`)."""
+    arrays = {
+        "format": np.array(BASE_FORMAT),
+        "vocab_size": np.array(base.vocab_size),
+        "embeddings": base.embeddings,
+        "unembedding": base.unembedding,
+        "bias": base.bias,
+    }
+    with open(Path(directory) / BASE_FILE, "wb") as handle:
+        np.savez(handle, allow_pickle=False, **arrays)
+
+
+def load_base(directory: Path, vocab_size: int) -> BigramBase:
+    """Read what `save_base` wrote, for a model whose vocabulary has `vocab_size` tokens."""
+    name = Path(directory).name
+    path = Path(directory) / BASE_FILE
+    if not path.is_file():
+        raise NotFound(
+            f"No mock model weights in directory {name!r}.",
+            hint="Check the path; a full-parameter checkpoint holds them after save_state or save_weights_for_sampler.",
+        )
+    with np.load(path, allow_pickle=False) as stored:
+        arrays = {key: stored[key] for key in stored.files}
+    if str(arrays.get("format")) != BASE_FORMAT:
+        raise InvalidRequest(f"{name!r} does not hold mock-model weights.")
+    stored_vocab = int(arrays["vocab_size"])
+    if stored_vocab != vocab_size:
+        raise InvalidRequest(
+            f"{name!r} holds a model with a vocabulary of {stored_vocab} tokens, but this model has {vocab_size}.",
+            hint="Use it with a model of the same vocabulary.",
+        )
+    class_size, num_classes = _class_layout(vocab_size)
+    embeddings, unembedding, bias = arrays["embeddings"], arrays["unembedding"], arrays["bias"]
+    columns = num_classes * (class_size + 1)
+    dim = embeddings.shape[1] if embeddings.ndim == 2 else -1
+    shapes = (embeddings.shape, unembedding.shape, bias.shape)
+    if shapes != ((vocab_size, dim), (columns, dim), (columns,)) or any(
+        array.dtype != np.float32 for array in (embeddings, unembedding, bias)
+    ):
+        raise InvalidRequest(f"{name!r} holds mock-model weights of the wrong shapes or types.")
+    return BigramBase(vocab_size, class_size, num_classes, embeddings, unembedding, bias)
+
+
+def served_base(source: ModelSource) -> BigramBase:
+    """The base model a backend or sampler serves: the weights in the model directory (`BASE_FILE`, written
+    by a full-parameter run), otherwise the seeded ones every process builds alike."""
+    if source.directory is not None and (source.directory / BASE_FILE).is_file():
+        return load_base(source.directory, source.info.vocab_size)
+    return BigramBase.build(source.info.vocab_size)
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where the mock model's description came from: a model directory or a bare vocabulary size."""
@@ -311,6 +437,12 @@ def read_model_source(
         eos_token_id=eos_token_id if isinstance(eos_token_id, int) else None,
     )
     return ModelSource(info, directory)
+
+
+def _class_layout(vocab_size: int) -> tuple[int, int]:
+    """(S, C): classes of ceil(sqrt(V)) ids, enough of them to hold the vocabulary."""
+    class_size = math.isqrt(vocab_size - 1) + 1
+    return class_size, -(-vocab_size // class_size)
 
 
 def _low_rank(features: np.ndarray, lora: LoraWeights | None) -> np.ndarray | None:

@@ -7,12 +7,17 @@ gives the same result as running them one after another.
 
 A vision-language base model also takes images, as ImageChunks or as an InputFeature's vision arrays
 (`hf.images`); its tenants' LoRA adapters sit on the language model only.
+
+A model created with `mode="full"` is a full-parameter run instead (`hf.full_run`): the same methods, keyed by its
+id, train every base weight with the LoRA adapters switched off, and its checkpoints are HuggingFace model
+directories. It is exclusive: one per replica, and LoRA ops are refused (PoolReserved) until it is removed, which
+restores the base weights bit for bit. It is never paged out and never joins a fused pass.
 """
 
 from __future__ import annotations
 
 import secrets
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +29,7 @@ from twinkle.backends.data_parallel import GradientReducer
 from twinkle.backends.hf import checkpoint, fused_batch
 from twinkle.backends.hf import paging as host_paging
 from twinkle.backends.hf.batching import PaddedBatch, check_model_inputs, collate, target_logprobs
+from twinkle.backends.hf.full_run import DEFAULT_MAX_SHARD_SIZE, FULL_RUN_NAME, FullRun, save_model_directory
 from twinkle.backends.hf.generation import generate
 from twinkle.backends.hf.images import images_checked_by_model
 from twinkle.backends.hf.loading import load_base_model
@@ -31,7 +37,7 @@ from twinkle.backends.hf.lora import lora_config
 from twinkle.backends.hf.shared_model import BASE_ADAPTER, SharedModel
 from twinkle.backends.hf.tenant import RngState, Tenant, TenantSlots, adam_step, new_optimizer
 from twinkle.backends.paging import AdapterPager, PagedAdapter, PagingBudget
-from twinkle.errors import InvalidRequest
+from twinkle.errors import InvalidRequest, PoolReserved
 from twinkle.types import (
     AdamParams,
     ForwardBackwardInput,
@@ -56,6 +62,7 @@ class TransformersBackend:
         device: str | None = None,
         trust_remote_code: bool | None = None,
         paging: PagingBudget | None = None,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     ) -> None:
         base = load_base_model(
             model_id,
@@ -69,6 +76,8 @@ class TransformersBackend:
         self.tenants = TenantSlots(max_loras)  # the resident tenants; the pager keeps the others
         self.pager = AdapterPager(self, max_loras, paging or PagingBudget())
         self.spares = host_paging.SpareSlots()  # PEFT adapters of paged-out tenants, reused by page-ins
+        self.full: FullRun | None = None  # the full-parameter run that holds this replica, if any
+        self.max_shard_size = max_shard_size  # of a full run's safetensors files
 
     @property
     def device(self) -> torch.device:
@@ -82,6 +91,10 @@ class TransformersBackend:
     # Adapters
 
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
+        if spec.full:
+            self._start_full_run(adapter_id, spec)
+            return
+        self._refuse_while_full_run()
         if adapter_id in self.pager:  # resident or paged out
             raise InvalidRequest(f"Adapter {adapter_id} already exists on this replica.")
         self.pager.admit(adapter_id)
@@ -100,18 +113,56 @@ class TransformersBackend:
         self.pager.added(adapter_id)
 
     def remove_adapter(self, adapter_id: str) -> None:
+        if self._full_run(adapter_id) is not None:
+            self._end_full_run()
+            return
         self.pager.forget(adapter_id)
         tenant = self.tenants.pop(adapter_id)
         if tenant is not None:
             self.shared.delete_adapter(tenant.name)
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self.pager
+        return adapter_id in self.pager or self._full_run(adapter_id) is not None
 
     def tenant(self, adapter_id: str) -> Tenant:
-        """The adapter's tenant, paged in first when it left its slot."""
+        """The adapter's tenant, paged in first when it left its slot; a full run's optimizer, step counter and
+        random stream live in a Tenant too."""
+        full = self._full_run(adapter_id)
+        if full is not None:
+            return full.tenant
+        self._refuse_while_full_run()
         self.pager.use(adapter_id)
         return self.tenants[adapter_id]
+
+    # Full-parameter runs (hf.full_run)
+
+    def _full_run(self, adapter_id: str | None) -> FullRun | None:
+        """The full run when `adapter_id` names it."""
+        return self.full if self.full is not None and adapter_id == self.full.run_id else None
+
+    def _start_full_run(self, run_id: str, spec: LoraSpec) -> None:
+        if self.full is not None:
+            raise PoolReserved(
+                f"Full-parameter run {self.full.run_id} already holds this replica; it takes one at a time.",
+                hint="Wait until that run is unloaded, or train this one as a LoRA adapter.",
+                holder=self.full.run_id,
+            )
+        if run_id in self.pager:
+            raise InvalidRequest(f"Adapter {run_id} already exists on this replica.")
+        self.full = FullRun.start(run_id, spec, self.shared.base.model, self.device)
+
+    def _end_full_run(self) -> None:
+        assert self.full is not None
+        self.full.end()
+        self.full = None
+
+    def _refuse_while_full_run(self) -> None:
+        if self.full is not None:
+            raise PoolReserved(
+                f"Full-parameter run {self.full.run_id} holds this replica: its LoRA adapters wait until it ends.",
+                hint="Retry once the full-parameter run is unloaded.",
+                holder=self.full.run_id,
+            )
 
     # Paging (backends.paging)
 
@@ -165,11 +216,14 @@ class TransformersBackend:
 
     def fused_solo_reason(self, adapter_id: str, batch: ForwardBackwardInput) -> str | None:
         """Why this call cannot join a fused multi-tenant pass (None: it can); see `hf.fused_batch`."""
+        if self._full_run(adapter_id) is not None:
+            return "a full-parameter run trains the whole model on its own"
         return fused_batch.solo_reason(self.shared, fused_batch.FusedCall(self.tenant(adapter_id), batch, False))
 
     def run_fused(self, calls: list[tuple[str, ForwardBackwardInput, bool]]) -> list[ForwardBackwardOutput | Exception]:
         """Several adapters' (adapter_id, batch, backward) calls as one pass; each gets its own output or error,
         as if it had run alone."""
+        self._refuse_while_full_run()
         results: list[ForwardBackwardOutput | Exception] = []
         for part in host_paging.slot_sized(calls, self.pager.slots):  # a pass's adapters all sit in slots
             self.pager.use_all([adapter_id for adapter_id, _, _ in part])
@@ -180,6 +234,7 @@ class TransformersBackend:
         return results
 
     def _run(self, tenant: Tenant, batch: ForwardBackwardInput, *, backward: bool) -> ForwardBackwardOutput:
+        full = self._full_run(tenant.adapter_id) if tenant.name == FULL_RUN_NAME else None
         # Images first: an image's token count, which the loss inputs must match, is known only once expanded.
         images = self.shared.base.images
         prepared = [images.datum(datum, f"datum {index}") for index, datum in enumerate(batch.data)]
@@ -191,11 +246,15 @@ class TransformersBackend:
         padded.vision = images.batch(
             [vision for _, vision in prepared], device=self.device, dtype=self.shared.base.model.dtype
         )
-        self.shared.activate(tenant.name)
-        reference = self._reference_logprobs(padded) if torch_losses.needs_reference(batch.loss_fn, config) else None
+        if full is None:
+            self.shared.activate(tenant.name)
+        reference = (self._reference_logprobs(padded, full)
+                     if torch_losses.needs_reference(batch.loss_fn, config) else None)
         self.shared.train(backward)  # LoRA dropout is on while training only
-        base_only = self.shared.adapters_disabled() if batch.disable_lora and not backward else nullcontext()
-        with tenant.rng.active(self.device), torch.set_grad_enabled(backward), base_only:
+        with ExitStack() as scope:
+            scope.enter_context(tenant.rng.active(self.device))
+            scope.enter_context(torch.set_grad_enabled(backward))
+            scope.enter_context(self._model_as_seen_by(full, base_only=batch.disable_lora and not backward))
             lp = self._logprobs(padded)
             loss_batch = torch_losses.LossBatch(lp, padded.inputs, padded.mask, reference)
             terms = torch_losses.compute_loss(batch.loss_fn, loss_batch, config)
@@ -206,6 +265,17 @@ class TransformersBackend:
             for logprobs, losses in zip(padded.unpad(lp), padded.unpad(terms.elementwise), strict=True)
         ]
         return ForwardBackwardOutput(outputs, {"loss:sum": float(terms.total.detach()), **terms.metrics})
+
+    def _model_as_seen_by(self, full: FullRun | None, *, base_only: bool) -> AbstractContextManager[object]:
+        """The model a pass runs: the active tenant's adapter on the base model, or for a full run the trained
+        base weights with every adapter off; `base_only`: the base model as loaded, without either."""
+        if full is None:
+            return self.shared.adapters_disabled() if base_only else nullcontext()
+        scope = ExitStack()
+        scope.enter_context(self.shared.adapters_disabled())
+        if base_only:
+            scope.enter_context(full.original_weights())
+        return scope
 
     def _logprobs(self, padded: PaddedBatch) -> torch.Tensor:
         with images_checked_by_model(bool(padded.vision)):
@@ -218,22 +288,26 @@ class TransformersBackend:
             )
         return target_logprobs(output.logits, padded.targets)
 
-    def _reference_logprobs(self, padded: PaddedBatch) -> torch.Tensor:
-        """The base model's logprobs for the same batch: the tenant's adapter switched off, no second copy."""
+    def _reference_logprobs(self, padded: PaddedBatch, full: FullRun | None) -> torch.Tensor:
+        """The base model's logprobs for the same batch: the tenant's adapter switched off, no second copy; for
+        a full run, the original weights swapped in from its host copy."""
         self.shared.train(False)
-        with torch.no_grad(), self.shared.adapters_disabled():
+        with torch.no_grad(), self._model_as_seen_by(full, base_only=True):
             return self._logprobs(padded)
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
         return adam_step(self.tenant(adapter_id), params)
 
     def sync_gradients(self, adapter_id: str, reducer: GradientReducer) -> None:
-        """Sum the adapter's accumulated gradients over the data-parallel ranks (backends.data_parallel), in
-        one all-reduce. A parameter keeps grad None where no rank has one, as AdamW skips those."""
+        """Sum the adapter's (or full run's) accumulated gradients over the data-parallel ranks
+        (backends.data_parallel), in one all-reduce per GRADIENT_BUCKET_BYTES of gradients: a LoRA adapter's fit
+        in one, while a full run's would otherwise need room for a float32 copy of the whole model at once.
+        A parameter keeps grad None where no rank has one, as AdamW skips those."""
         params = self.tenant(adapter_id).params
         ranks_with_grad = np.array([param.grad is not None for param in params], np.float32)
         grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
-        reducer.sum_([ranks_with_grad, *grads])
+        for number, bucket in enumerate(_buckets(grads, GRADIENT_BUCKET_BYTES)):
+            reducer.sum_([ranks_with_grad, *bucket] if number == 0 else bucket)  # the flags travel with the first
         for param, grad, count in zip(params, grads, ranks_with_grad, strict=True):
             param.grad = grad if count > 0 else None
 
@@ -241,14 +315,22 @@ class TransformersBackend:
 
     def save_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
         tenant = self.tenant(adapter_id)
+        full = self._full_run(adapter_id)
+        if full is not None:
+            self._save_full(full, directory, include_optimizer=include_optimizer)
+            return
         checkpoint.save_adapter(self.shared, tenant.name, directory)
         if include_optimizer:
             checkpoint.save_training_state(tenant, directory)
 
     def load_state(self, adapter_id: str, directory: Path, *, include_optimizer: bool) -> None:
         tenant = self.tenant(adapter_id)
-        checkpoint.load_adapter(self.shared, tenant, directory)
-        tenant.zero_grad()
+        full = self._full_run(adapter_id)
+        if full is not None:
+            full.load_weights(self.shared.base.model, directory)
+        else:
+            checkpoint.load_adapter(self.shared, tenant, directory)  # refuses a full-parameter checkpoint
+            tenant.zero_grad()
         if include_optimizer:
             checkpoint.load_training_state(tenant, directory, self.device)
         else:
@@ -256,10 +338,41 @@ class TransformersBackend:
             tenant.steps = 0
 
     def save_weights_for_sampler(self, adapter_id: str, directory: Path) -> None:
+        full = self._full_run(adapter_id)
+        if full is not None:
+            self._save_full(full, directory, include_optimizer=False)
+            return
         checkpoint.save_adapter(self.shared, self.tenant(adapter_id).name, directory)
+
+    def _save_full(self, full: FullRun, directory: Path, *, include_optimizer: bool) -> None:
+        save_model_directory(full, self.shared.base.model, self.shared.base.tokenizer, directory,
+                             base_model=self.info.model_name, include_optimizer=include_optimizer,
+                             max_shard_size=self.max_shard_size)
 
     # Sampling
 
     def sample(self, adapter_id: str | None, requests: list[SampleRequest]) -> list[SampleOutput]:
-        name = BASE_ADAPTER if adapter_id is None else self.tenant(adapter_id).name
-        return generate(self.shared, requests, [name] * len(requests))
+        """With a full run on the replica, the base model (None) is served from the run's copy of the original
+        weights, and the run samples with its trained weights."""
+        if adapter_id is None or self._full_run(adapter_id) is not None:
+            original = self.full.original_weights() if adapter_id is None and self.full is not None else nullcontext()
+            with original:
+                return generate(self.shared, requests, [BASE_ADAPTER] * len(requests))
+        return generate(self.shared, requests, [self.tenant(adapter_id).name] * len(requests))
+
+
+GRADIENT_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive groups of `tensors` of at most `limit` bytes each (a larger tensor alone); at least one group."""
+    groups: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += nbytes
+    return groups

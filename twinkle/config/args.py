@@ -11,6 +11,7 @@ from twinkle.config.base import StrictModel, config_problem
 from twinkle.config.clock import ClockConfig, SchedulingConfig
 from twinkle.config.devices import DeviceGroup, DeviceMesh
 from twinkle.config.export import ExportConfig
+from twinkle.config.full_finetune import FullFinetuneConfig
 from twinkle.config.limits import AdapterConfig, QueueConfig
 from twinkle.config.parallelism import parallelism_problems
 
@@ -102,6 +103,8 @@ class ModelArgs(StrictModel):
     """Name clients use for this base model; None uses model_id without its `ms://` or `hf://` scheme."""
     export: ExportConfig = Field(default_factory=ExportConfig)
     """Merged exports of this pool's checkpoints (`export_merged`): dtype, shard size, tolerances."""
+    full_finetune: FullFinetuneConfig = Field(default_factory=FullFinetuneConfig)
+    """Full-parameter runs beside the LoRA adapters: one at a time, holding the pool exclusively."""
 
     @property
     def served_name(self) -> str:
@@ -118,6 +121,12 @@ class ModelArgs(StrictModel):
                 f"but device_group.ranks is {group.ranks}",
                 subpath="device_mesh",
                 hint="the training mesh must cover exactly the devices of its group",
+            )
+        if self.full_finetune.enabled and self.backend == "megatron":
+            raise config_problem(
+                "full-parameter training is not available on the megatron backend yet",
+                subpath="full_finetune.enabled",
+                hint="use the transformers backend for full runs (docs/full_finetune.md), or set enabled: false",
             )
         refused = parallelism_problems(self.backend, mesh)
         if refused:

@@ -1,7 +1,8 @@
 """The numpy-only sampler: generates from the mock backend's bigram model (see backends/mock_model.py).
 
 `BigramSampling` is the one generation routine; `MockBackend.sample` uses it with an adapter's in-memory
-weights and `MockSampler` with weights loaded from sampler checkpoints.
+weights (or a full-parameter run's whole model) and `MockSampler` with weights loaded from sampler
+checkpoints: a LoRA adapter, or a full-parameter checkpoint's whole model (`twinkle.full_checkpoint`).
 
 Reported logprobs are the model's own (temperature 1), as the torch sampler reports them: a token is drawn
 after temperature, top_k and then top_p, but its logprob, the prompt's logprobs (the first position has
@@ -18,14 +19,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from twinkle.backends.mock_model import (
+    ADAPTER_FILE,
+    BASE_FILE,
     BigramBase,
     LoraWeights,
     load_adapter,
+    load_base,
     next_token_logprobs,
     read_model_source,
+    served_base,
     target_logprobs,
 )
 from twinkle.errors import InvalidRequest
+from twinkle.full_checkpoint import is_full_checkpoint
 from twinkle.types import (
     ImageChunk,
     ModelInfo,
@@ -54,7 +60,11 @@ class BigramSampling:
         self._model_dir = model_dir
         self._tokenizer: Tokenizer | None = None
 
-    def sample(self, lora: LoraWeights | None, request: SampleRequest) -> SampleOutput:
+    def sample(
+        self, lora: LoraWeights | None, request: SampleRequest, *, base: BigramBase | None = None
+    ) -> SampleOutput:
+        """One request with `lora` on `base`: a whole model such as a full run's weights (None: the served one)."""
+        base = self._base if base is None else base
         prompt = self._prompt(request)
         params = request.params
         self._check_params(request, len(prompt))
@@ -76,7 +86,7 @@ class BigramSampling:
         for _ in range(params.max_tokens):
             if not len(active):
                 break
-            model_lp = self._distribution(lora, last[active])
+            model_lp = self._distribution(base, lora, last[active])
             chosen, chosen_lp = _draw(model_lp, params, rng)
             last[active] = chosen
             best = _best(model_lp, sample_k) if sample_k > 0 else [[] for _ in chosen]
@@ -99,22 +109,17 @@ class BigramSampling:
         ]
         output = SampleOutput(sequences=sequences)
         if request.prompt_logprobs:
-            scored = target_logprobs(self._base, lora, prompt[:-1], prompt[1:]).logprobs
+            scored = target_logprobs(base, lora, prompt[:-1], prompt[1:]).logprobs
             output.prompt_logprobs = [None, *map(float, scored)]
         if request.topk_prompt_logprobs > 0:
-            output.topk_prompt_logprobs = [[], *self._top_k(lora, prompt[:-1], request.topk_prompt_logprobs)]
+            output.topk_prompt_logprobs = [[], *_top_k(base, lora, prompt[:-1], request.topk_prompt_logprobs)]
         return keep_last_prompt_positions(output, request.prompt_logprobs_last_n)
 
-    def _distribution(self, lora: LoraWeights | None, prev: np.ndarray) -> np.ndarray:
+    @staticmethod
+    def _distribution(base: BigramBase, lora: LoraWeights | None, prev: np.ndarray) -> np.ndarray:
         # Samples that share their last token share the next-token distribution: compute it once.
         unique, inverse = np.unique(prev, return_inverse=True)
-        return next_token_logprobs(self._base, lora, unique)[inverse]
-
-    def _top_k(self, lora: LoraWeights | None, prev: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
-        rows: list[list[tuple[int, float]]] = []
-        for start in range(0, len(prev), _TOPK_ROWS_PER_PASS):
-            rows.extend(_best(next_token_logprobs(self._base, lora, prev[start : start + _TOPK_ROWS_PER_PASS]), k))
-        return rows
+        return next_token_logprobs(base, lora, unique)[inverse]
 
     def _prompt(self, request: SampleRequest) -> np.ndarray:
         if any(isinstance(chunk, ImageChunk) for chunk in request.prompt):
@@ -190,7 +195,11 @@ class _StopStrings:
 
 
 class MockSampler:
-    """A SamplerBackend on the mock model; adapters come from `save_weights_for_sampler` directories."""
+    """A SamplerBackend on the mock model; adapters come from `save_weights_for_sampler` directories: a LoRA
+    adapter served on the base model, or a full-parameter checkpoint served as the whole model.
+
+    Loaded checkpoints are cached by resolved path and the weights file's stamp (size, mtime), so a directory
+    rewritten in place is read again."""
 
     def __init__(
         self,
@@ -201,26 +210,61 @@ class MockSampler:
     ) -> None:
         source = read_model_source(model_dir_or_vocab, max_length)
         self.info = source.info
-        self._base = BigramBase.build(self.info.vocab_size)
+        self._base = served_base(source)
         self._sampling = BigramSampling(self._base, self.info, source.directory)
-        self._cache: OrderedDict[str, LoraWeights] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, int, int], LoraWeights | BigramBase] = OrderedDict()
         self._cache_size = max_cached_adapters
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleOutput]:
-        return [self._sampling.sample(self._adapter(request.adapter_path), request) for request in requests]
+        outputs = []
+        for request in requests:
+            weights = self._weights(request.adapter_path)
+            if isinstance(weights, BigramBase):
+                outputs.append(self._sampling.sample(None, request, base=weights))
+            else:
+                outputs.append(self._sampling.sample(weights, request))
+        return outputs
 
-    def _adapter(self, adapter_path: str | None) -> LoraWeights | None:
+    def _weights(self, adapter_path: str | None) -> LoraWeights | BigramBase | None:
+        """The checkpoint's LoRA adapter, or its whole model for a full-parameter checkpoint."""
         if adapter_path is None:
             return None
-        key = str(Path(adapter_path).resolve())
+        directory = Path(adapter_path).resolve()
+        full = is_full_checkpoint(directory)
+        stamp = _stamp(directory / (BASE_FILE if full else ADAPTER_FILE))
+        key = (str(directory), *stamp)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        lora, _ = load_adapter(Path(key), self._base)
-        self._cache[key] = lora
+        for stale in [cached for cached in self._cache if cached[0] == key[0]]:
+            del self._cache[stale]  # the directory was rewritten since
+        weights: LoraWeights | BigramBase
+        if full:
+            weights = load_base(directory, self.info.vocab_size)
+        else:
+            weights, _ = load_adapter(directory, self._base)
+        self._cache[key] = weights
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
-        return lora
+        return weights
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    """(size, mtime in ns) of `path`, or (-1, -1) when it is missing (loading then reports it)."""
+    try:
+        status = path.stat()
+    except OSError:
+        return -1, -1
+    return status.st_size, status.st_mtime_ns
+
+
+def _top_k(
+    base: BigramBase, lora: LoraWeights | None, prev: np.ndarray, k: int
+) -> list[list[tuple[int, float]]]:
+    rows: list[list[tuple[int, float]]] = []
+    for start in range(0, len(prev), _TOPK_ROWS_PER_PASS):
+        rows.extend(_best(next_token_logprobs(base, lora, prev[start : start + _TOPK_ROWS_PER_PASS]), k))
+    return rows
 
 
 def _best(model_lp: np.ndarray, k: int) -> list[list[tuple[int, float]]]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle.errors import BackendFailure, InvalidRequest, NotFound
+from twinkle.full_checkpoint import is_full_checkpoint
 from twinkle.types import (
     ImageChunk,
     ModelInfo,
@@ -248,9 +249,16 @@ class VLLMSampler:
         """
         if adapter_path is None:
             return None
+        directory = Path(adapter_path)
+        if is_full_checkpoint(directory):  # a whole model: vLLM serves one per engine, not as a LoRA request
+            raise InvalidRequest(
+                f"Sampler weights {directory.name} are a full-parameter checkpoint, which a vLLM sampler pool "
+                "cannot load beside its model.",
+                hint="Serve full checkpoints with the torch sampler, or start a vLLM pool on that directory as "
+                "its model_id.",
+            )
         from vllm.lora.request import LoRARequest
 
-        directory = Path(adapter_path)
         weights, config = directory / ADAPTER_WEIGHTS, directory / ADAPTER_CONFIG
         if not (weights.is_file() and config.is_file()):
             raise NotFound(

@@ -23,6 +23,7 @@ import difflib
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the longest wait, in seconds, for the raylet and the GCS to end on SIGTERM "
                           "before what is left gets SIGKILL (default: 10)")
     stop_ray.set_defaults(command=_stop_ray, parser=stop_ray)
+
+    reservations = commands.add_parser(
+        "reservations", help="show the pools full-parameter runs hold exclusively, or end such a hold")
+    reservations.add_argument("--end", metavar="POOL", help="end the hold of this pool (its queue, e.g. "
+                              "model.train.0): the run is unloaded within a second, its checkpoints stay, and "
+                              "the ops that waited run")
+    _add_config_option(reservations)
+    reservations.set_defaults(command=_reservations)
 
     _add_keys_commands(commands)
     return parser
@@ -348,6 +357,42 @@ def _clear(options: argparse.Namespace) -> int:
 
     removed = clear_persistence(config, broker_url=_running_broker(config))
     print(f"removed {removed} key{'s' if removed != 1 else ''} from {config.persistence.mode} persistence")
+    return EXIT_OK
+
+
+def _reservations(options: argparse.Namespace) -> int:
+    import redis
+
+    from twinkle.catalog import Catalog
+    from twinkle.keys import Keys
+    from twinkle.pool_reservation import Reservation, end_by_operator
+
+    config = load_config(options.config)
+    url = os.environ.get("TWINKLE_BROKER_URL") or config.broker.url or _running_broker(config)
+    if not url:
+        print("no broker: set broker.url, or run this where the server's `launch` runs", file=sys.stderr)
+        return EXIT_USAGE
+    r = redis.Redis.from_url(url)
+    keys = Keys(config.persistence.key_prefix)
+    queues = sorted(Catalog(config).reserving_queues)
+    if options.end:
+        if options.end not in queues:
+            print(f"{options.end} is not a pool that allows full-parameter runs; those are: "
+                  f"{', '.join(queues) or '(none)'}", file=sys.stderr)
+            return EXIT_USAGE
+        held = end_by_operator(r, keys, options.end, "an operator ended it")
+        print(f"ended the hold of {held.holder} on {options.end}" if held else f"{options.end} is not held")
+        return EXIT_OK
+    for queue in queues:
+        held = Reservation.from_hash(r.hgetall(keys.pool_reservation(queue)))
+        waiting = r.llen(keys.reservation_parked(queue))
+        if held is None:
+            print(f"{queue}: free")
+        else:
+            print(f"{queue}: held by {held.holder} (key {held.owner[:12]}) since "
+                  f"{time.strftime('%H:%M:%S', time.localtime(held.since))}, until "
+                  f"{time.strftime('%H:%M:%S', time.localtime(held.until))}{'; ' + held.over() if held.over() else ''}"
+                  f"; {waiting} ops waiting")
     return EXIT_OK
 
 

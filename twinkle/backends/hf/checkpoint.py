@@ -1,5 +1,8 @@
 """An adapter checkpoint on disk: PEFT files any PeftModel can load, plus the tenant's training state.
 
+A full run's checkpoint (`hf.full_run`, marked by `twinkle.full_checkpoint`) is a whole model and is refused here.
+The training-state files below are shared with it.
+
 adapter_model.safetensors, adapter_config.json    the LoRA weights and config (plain PEFT layout)
 optimizer.pt                                      the optimizer's state_dict      (with optimizer)
 trainer_state.json                                step counter and seed           (with optimizer)
@@ -16,6 +19,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
+from twinkle import full_checkpoint
 from twinkle.backends.hf.lora import lora_spec_from_config
 from twinkle.backends.hf.shared_model import SharedModel
 from twinkle.backends.hf.tenant import RngState, Tenant, new_optimizer
@@ -90,6 +94,12 @@ def load_training_state(tenant: Tenant, directory: Path, device: torch.device) -
 
 
 def _read_config(directory: Path) -> LoraConfig:
+    if full_checkpoint.is_full_checkpoint(directory):
+        raise InvalidRequest(
+            f"{directory.name} is a full-parameter checkpoint (a whole model, written by a full run), not a LoRA "
+            "adapter.",
+            hint="Create a full-parameter model (mode='full') and load it there.",
+        )
     missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (directory / name).is_file()]
     if missing:
         raise InvalidRequest(
