@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.test_foundation import datum, fb_body, new_model, wait
 from tests.e2e.test_full_finetune import new_full_run, step, submit
-from tests.harness import LaunchedServer, launch
+from tests.harness import LaunchedServer, free_port, launch, mock_config
 from twinkle.auth import tenant_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -72,3 +72,46 @@ def test_a_full_run_lost_with_its_worker_names_its_last_checkpoint_and_frees_the
             "tags": [], "sdk_version": "t"}).json()["session_id"], "path": saved, "optimizer": True})
         assert resumed.status_code == 200, resumed.text
         assert "error" not in wait(full, resumed.json()["request_id"])  # a full run again, from the checkpoint
+        wait(full, submit(full, "/unload_model", {"model_id": resumed.json()["model_id"]}))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, ray_address: str
+          ) -> Iterator[LaunchedServer]:
+    """A mock pool of two data-parallel ranks on the session's Ray instance, open to full runs."""
+    tmp = tmp_path_factory.mktemp("full-ranks")
+    config = mock_config(tiny_model_dir, tmp / "checkpoints", port=free_port(), db=7,
+                         model_args={"full_finetune": {"enabled": True},
+                                     "device_group": {"name": "model", "ranks": 2, "device_type": "cpu"},
+                                     "device_mesh": {"dp_size": 2}})
+    config["ray"] = {"address": ray_address}
+    launched = LaunchedServer(config, tmp / "server.yaml", tmp / "server.log")
+    launched.start(timeout=240)
+    yield launched
+    launched.stop()
+
+
+def test_a_full_run_on_two_data_parallel_ranks_learns_like_one_rank_and_resumes_exactly(
+        ranks: LaunchedServer, server: LaunchedServer) -> None:
+    data = [datum([5 + (i * 7) % 50 for i in range(k, k + 16)]) for k in range(3)]  # shards of 2 and 1
+
+    def trained(on: LaunchedServer, key: str) -> tuple[list[float], str]:
+        with on.client(key) as c:
+            run = new_full_run(c)
+            losses = []
+            for _ in range(3):
+                fb = submit(c, "/forward_backward", fb_body(run, data))
+                opt = submit(c, "/optim_step", {"model_id": run, "adam_params": {"learning_rate": 0.1}})
+                losses.append(float(wait(c, fb)["metrics"]["loss:sum"]))
+                assert "error" not in wait(c, opt)
+            path = wait(c, submit(c, "/save_weights", {"model_id": run, "path": "dp"}))["path"]
+            wait(c, submit(c, "/unload_model", {"model_id": run}))
+            return losses, path
+
+    two, path = trained(ranks, "tml-full-dp")
+    one, _ = trained(server, "tml-full-single")
+    assert two == pytest.approx(one, rel=1e-5)  # the ranks' gradients summed: the same steps as one replica
+    with ranks.client("tml-full-dp") as c:
+        resumed = c.post("/load_weights", json={"session_id": c.post("/create_session", json={
+            "tags": [], "sdk_version": "t"}).json()["session_id"], "path": path, "optimizer": True})
+        assert resumed.status_code == 200 and "error" not in wait(c, resumed.json()["request_id"])

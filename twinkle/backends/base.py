@@ -23,7 +23,9 @@ from twinkle.types import (
 
 
 class ModelBackend(Protocol):
-    """Trains LoRA adapters on one shared base model."""
+    """Trains LoRA adapters on one shared base model, and (`LoraSpec.mode == "full"`) at most one full-parameter run
+    of the base model's own weights under the same methods, keyed by its run id: while it lives the pool runs no
+    other run's op (twinkle.pool_reservation), and removing it restores the base weights exactly."""
 
     info: ModelInfo
 
