@@ -9,10 +9,13 @@ instead, after the body's size and depth checks and before routing, holding the 
 `Waiter`; once the future ended (or the long-poll's time ran out) it hands the request to the app, whose
 route answers from the record the wait ended with (`parked_poll`) rather than waiting again.
 
-It only waits: every answer comes from the route. A request it cannot read as a valid poll of a known caller
-(a body that does not parse or validate, no key or an unknown one, a future the caller cannot see, a broker
-that fails) goes to the app at once, which answers it as it would have (400, 401, 404, 503, ...). A wait that
-ends in an error passes the remaining time on, so the route waits no longer than the poll would have.
+It answers one kind of poll itself: a future that failed, whose answer is three fields of its record. Those
+come in floods (a lost adapter's thousands of queued ops fail together, workers.lost_adapters), and answered
+through the framework each costs the API a millisecond of CPU that other tenants' requests wait behind. Every
+other answer comes from the route. A request it cannot read as a valid poll of a known caller (a body that does
+not parse or validate, no key or an unknown one, a future the caller cannot see, a broker that fails) goes to
+the app at once, which answers it as it would have (400, 401, 404, 503, ...). A wait that ends in an error
+passes the remaining time on, so the route waits no longer than the poll would have.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from api.context import ApiContext
 from api.schemas import RetrieveFutureBody
 from twinkle.auth import key_from_headers
 from twinkle.errors import TwinkleError
-from twinkle.futures import FutureRecord
+from twinkle.futures import FutureRecord, FutureStatus
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -88,10 +91,11 @@ def parked_poll(scope: Scope, request_id: str, tenant: str) -> ParkedPoll | None
 class LongPolls:
     """ASGI middleware: parks `POST <path>` (retrieve_future) until its future ended, then passes it on."""
 
-    def __init__(self, app: App, *, ctx: ApiContext, path: str) -> None:
+    def __init__(self, app: App, *, ctx: ApiContext, path: str, answer_failed: bool = True) -> None:
         self.app = app
         self.ctx = ctx
         self.path = path
+        self.answer_failed = answer_failed  # False where telemetry links each poll's span to its op's trace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
@@ -112,6 +116,9 @@ class LongPolls:
                 record = await await_future(self.ctx, request_id, tenant, self.ctx.long_poll_seconds)
             except Exception:  # noqa: BLE001 - the route meets the same error and answers it
                 record = None
+            if record is not None and record.state is FutureStatus.FAILED and self.answer_failed:
+                await _answer_failed(scope, send, record, tenant)
+                return
             scope.setdefault("state", {})[STATE_KEY] = ParkedPoll(request_id, tenant, record, deadline)
         await self.app(scope, _replay(first, receive), send)
 
@@ -133,6 +140,20 @@ class LongPolls:
         except (TwinkleError, ValueError, ValidationError):
             return None
         return request_id, tenant
+
+
+def failed_answer(record: FutureRecord) -> dict[str, Any]:
+    """What a poll of a failed future answers (200: the poll worked; the op failed)."""
+    return {"error": record.error, "category": record.category or "server", "code": record.code}
+
+
+async def _answer_failed(scope: Scope, send: Send, record: FutureRecord, tenant: str) -> None:
+    """The route's answer to the poll of a failed future, byte for byte as FastAPI's JSONResponse renders it."""
+    scope.setdefault("state", {})["tenant"] = tenant  # for the access log, as the route's auth dependency sets it
+    body = json.dumps(failed_answer(record), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _replay(first: Message, receive: Receive) -> Receive:

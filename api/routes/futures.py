@@ -1,4 +1,4 @@
-"""`POST /retrieve_future`: the long-poll every compute call ends in (Tinker SDK section 4)."""
+"""`POST /retrieve_future`: the long-poll every compute call ends in (docs/tinker_protocol.md#futures)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request, Response
 from api.context import ApiContext
 from api.deps import Ctx, Tenant
 from api.finite_json import FiniteJSONResponse
-from api.long_poll import await_future, parked_poll
+from api.long_poll import await_future, failed_answer, parked_poll
 from api.reservations import waiting_reason
 from api.schemas import RetrieveFutureBody
 from api.slots import waiting_for_slot
@@ -41,7 +41,7 @@ async def retrieve_future(body: RetrieveFutureBody, request: Request, ctx: Ctx, 
         record = await await_future(ctx, body.request_id, tenant, timeout)
     link_future(record)
     if record.state is FutureStatus.FAILED:
-        return {"error": record.error, "category": record.category or "server", "code": record.code}
+        return failed_answer(record)
     if not record.state.terminal:
         return await try_again(ctx, record)
     result = await ctx.store.result(record.request_id)

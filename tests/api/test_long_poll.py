@@ -148,3 +148,22 @@ async def test_polls_the_middleware_cannot_read_are_answered_at_once_by_the_rout
         assert r.json()["request_id"] == r.headers["x-request-id"], what
         assert time.monotonic() - began < LONG_POLL_SECONDS / 2, what
     assert served.parked == 0
+
+
+async def test_a_parked_poll_of_a_future_that_fails_is_answered_byte_for_byte_as_the_route_answers_it(
+        served: Served) -> None:
+    rid = served.queued_future()
+    parked = asyncio.create_task(served.http.post("/retrieve_future", json={"request_id": rid}))
+    await served.until_parked(1)
+    served.redis.hset(served.keys.future(rid), mapping={"status": "failed", "error": "Model m was unloaded — ü.",
+                                                         "category": "user", "code": "adapter_gone"})
+    served.redis.publish(served.keys.done_channel(rid), "failed")
+    by_middleware = await parked
+    # a +json media type the middleware leaves to the route, which reads the body as JSON all the same
+    by_route = await served.http.post("/retrieve_future", content=f'{{"request_id": "{rid}"}}'.encode(),
+                                      headers={"Content-Type": "application/merge-patch+json"})
+    assert by_middleware.status_code == by_route.status_code == 200
+    assert by_middleware.content == by_route.content
+    assert by_middleware.json() == {"error": "Model m was unloaded — ü.", "category": "user", "code": "adapter_gone"}
+    assert by_middleware.headers["content-type"] == by_route.headers["content-type"]
+    assert by_middleware.headers.get("x-request-id") and served.parked == 0
