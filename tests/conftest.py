@@ -42,7 +42,8 @@ def ray_address() -> Iterator[str]:
     what launched servers join through `ray.address`."""
     import os
 
-    # before Ray is imported: no token auth, and 127.0.0.1 stays the node address (CELERY_NOTES section 9)
+    # before Ray is imported: no token auth, and 127.0.0.1 stays the node address
+    # (docs/celery_notes.md#ray-on-a-test-machine)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")

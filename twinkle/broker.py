@@ -15,7 +15,8 @@ import redis
 
 from twinkle.futures import request_id_created_at
 
-# kombu's Redis transport keeps delivered-but-unacked messages here (see CELERY_NOTES.md section 2)
+# kombu's Redis transport keeps delivered-but-unacked messages here
+# (docs/celery_notes.md#unacked-messages-and-the-visibility-timeout)
 UNACKED = "unacked"
 UNACKED_INDEX = "unacked_index"
 

@@ -1,6 +1,6 @@
 """The Celery application shared by the API (producer only) and the pool workers.
 
-Settings follow CELERY_NOTES.md section 0: late acks, prefetch 1 (model pools reserve one more, see
+Settings follow docs/celery_notes.md#worker-settings: late acks, prefetch 1 (model pools reserve one more, see
 workers/pool.py), one consumer per queue, no retries or priorities on stateful ops, a visibility timeout
 longer than any op, and no result backend (futures are Twinkle's own records in Redis).
 """

@@ -64,9 +64,6 @@ class Keys:
     def sampling_session(self, sampling_session_id: str) -> str:
         return f"{self.root}sampling:{sampling_session_id}"
 
-    def training_run(self, run_id: str) -> str:
-        return f"{self.root}run:{run_id}"
-
     def owner_runs(self, owner: str) -> str:
         return f"{self.root}owner:{owner}:runs"
 

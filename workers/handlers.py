@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
 from typing import Any
 
 import redis
@@ -281,7 +280,3 @@ class SamplerPoolHandlers:
         out = self.batcher.sample(req, progress, tenant=rec.owner, weight=rec.weight)
         out.prompt_length = out.prompt_length or input_length(req.prompt)
         return out
-
-
-def spec_to_dict(spec: LoraSpec) -> dict[str, Any]:
-    return asdict(spec)

@@ -1,4 +1,4 @@
-"""RestClient routes (Tinker SDK section 3.4): training runs and their checkpoints."""
+"""RestClient routes (docs/tinker_protocol.md#restclient): training runs and their checkpoints."""
 
 from __future__ import annotations
 

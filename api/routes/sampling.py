@@ -1,4 +1,4 @@
-"""Sampling routes (Tinker SDK section 3.3)."""
+"""Sampling routes (docs/tinker_protocol.md#sampling)."""
 
 from __future__ import annotations
 

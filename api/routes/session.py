@@ -1,4 +1,4 @@
-"""Bootstrap, sessions, capabilities and health (Tinker SDK section 3.1)."""
+"""Bootstrap, sessions, capabilities and health (docs/tinker_protocol.md#bootstrap-and-sessions)."""
 
 from __future__ import annotations
 

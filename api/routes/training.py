@@ -1,4 +1,4 @@
-"""Training routes (Tinker SDK section 3.2): every compute call stores its payload and returns a future."""
+"""Training routes (docs/tinker_protocol.md#training): every compute call stores its payload and returns a future."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""An in-process fake of the Twinkle HTTP contract (.notes/twinkle_routes.md) behind httpx.MockTransport.
+"""An in-process fake of the Twinkle HTTP contract (the routes in api/routes/) behind httpx.MockTransport.
 
 It keeps just enough state to answer like the real server: sessions and heartbeats, runs with a training
 configuration, gradient accumulation, metrics since the last call, checkpoints with progress, futures that

@@ -1,4 +1,7 @@
-"""The real Tinker SDK 0.38, unmodified, against a launched Twinkle server (TINKER_PROTOCOL.md section 7)."""
+"""The real Tinker SDK 0.38, unmodified, against a launched Twinkle server.
+
+The conformance flow it follows: docs/tinker_protocol.md#conformance-flow.
+"""
 
 from __future__ import annotations
 

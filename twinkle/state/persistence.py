@@ -1,4 +1,4 @@
-"""Persistence of the durable part of Twinkle's state (ARCHITECTURE.md section 3).
+"""Persistence of the durable part of Twinkle's state (docs/architecture.md#state-and-how-long-it-lives).
 
 Durable: training runs (model records), their checkpoint index, each owner's list of runs, sampling
 sessions, and the usage ledger (twinkle/usage.py). Futures, payloads, sessions and queues are transient by design.

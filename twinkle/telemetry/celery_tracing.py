@@ -3,7 +3,7 @@
 CeleryInstrumentor injects the context into the message headers when a task is published
 (`before_task_publish`) and continues it when a worker runs the task (`task_prerun`). It must be active in
 both processes; workers on the threads pool never receive `worker_process_init`, so they instrument when
-they start (CELERY_NOTES.md section 6).
+they start (docs/celery_notes.md#tracing-through-celery).
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ a machine without the extra or without a GPU is told so before any worker starts
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 
 INSTALL_HINT = "pip install 'twinkle[megatron]'"
@@ -24,13 +23,6 @@ def megatron_requirements_problem() -> str | None:
     if not missing:
         return None
     return f"{NEEDS}; found: {'; '.join(missing)}."
-
-
-def megatron_core_version() -> str | None:
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def cuda_problem() -> str | None:
