@@ -22,6 +22,15 @@ free port; needs `redis-server` on PATH) and prints:
    worker: adapter_state_lost), and the step p50/p99 of other tenants training on the other replica before and
    during, with error/timeout/non-2xx counts.
 
+5. `--flapping N` (run alone): a broker (appendonly) killed and restarted N times, 1-3 s apart, each time down
+   0.2-1 s, while a tenant trains with seq_ids as the Tinker SDK sends them: ops submitted, completed, failed
+   (by code), never terminal; ops the pool ran (its model's `ops_executed`) against ops submitted (any
+   difference is an op run twice or lost); whether the worker kept its pid; op p50/p99 and the longest.
+6. `--two-consumers` (run alone): while a pool's worker trains a tenant, two more `launch --only worker` of the
+   same pool start at once (the race for the queue): how each ended and the line it printed; the tenant's ops
+   meanwhile. Then the first launcher is SIGKILLed and a new one started at once: the seconds until it is ready
+   and a new adapter trained, the consumer's pid, and how the old adapter's next op ended.
+
 `--quick`: one 3 s outage, 2,000 polls, 8 s per phase. `--only outages|polls|load`: that phase alone.
 """
 
@@ -557,6 +566,139 @@ def bench_frozen_backlog(n: int = 2000, trainers: int = 4, baseline: float = 10.
               f"{pct(ms, 99) / pct(before, 99):.2f}x before")
 
 
+# -- 5. a flapping broker -------------------------------------------------------------------------------
+
+
+def bench_flapping(flaps: int, seed: int = 23) -> None:
+    import random
+
+    workdir = Path(tempfile.mkdtemp(prefix="twinkle-flapping-"))
+    broker = PrivateRedis(workdir / "redis", appendonly=True)
+    broker.start()
+    server = Server(workdir, ensure_tiny_model(workdir / "tiny-qwen"), broker)
+    server.start()
+    r = redis.Redis.from_url(broker.url)
+    c = httpx.Client(base_url=server.api, headers={"X-API-Key": "bench-flapping"}, timeout=30)
+    submitted: list[str] = []
+    steps: list[float] = []
+    stop = threading.Event()
+    try:
+        sid = c.post("/create_session", json={"tags": []}).json()["session_id"]
+        created = post_until_accepted(c, "/create_model", {"session_id": sid, "base_model": "tiny-qwen",
+                                                           "lora_config": {"rank": 8}})
+        assert outcome(c, created) == "completed"
+        model = r.hget(KEYS.future(created), "model_id").decode()  # type: ignore[union-attr]
+        worker = worker_of(r, "model.models-tiny.0")
+
+        def train() -> None:
+            seq = 0
+            while not stop.is_set():
+                began = time.monotonic()
+                seq += 1
+                fb = {"data": [datum()], "loss_fn": "cross_entropy"}
+                body: dict[str, Any] = ({"model_id": model, "seq_id": seq, "adam_params": {"learning_rate": 0.01}}
+                                        if seq % 2 == 0 else
+                                        {"model_id": model, "seq_id": seq, "forward_backward_input": fb})
+                rid = post_until_accepted(c, "/optim_step" if seq % 2 == 0 else "/forward_backward", body)
+                submitted.append(rid)
+                outcome(c, rid)
+                steps.append((time.monotonic() - began) * 1000)
+
+        trainer = threading.Thread(target=train, daemon=True)
+        trainer.start()
+        pace = random.Random(seed)
+        began = time.time()
+        for _ in range(flaps):
+            time.sleep(pace.uniform(1, 3))
+            broker.outage(pace.uniform(0.2, 1.0))
+        time.sleep(3)
+        stop.set()
+        trainer.join(timeout=120)
+        flapped = time.time() - began
+        outcomes = Counter(outcome(c, rid) for rid in submitted)
+        executed = int(r.hget(KEYS.model(model), "ops_executed") or 0) - 1  # less its create
+        kept = worker_of(r, "model.models-tiny.0") == worker and server.alive()
+    finally:
+        stop.set()
+        server.stop()
+        broker.kill()
+    print(f"flapping broker: {flaps} restarts over {flapped:.0f} s; {len(submitted)} ops submitted, outcomes "
+          + ", ".join(f"{k} x{v}" for k, v in sorted(outcomes.items()))
+          + f"; the pool ran {executed} of them (run twice or lost: {abs(executed - len(submitted))}); "
+          f"worker kept its pid: {kept}")
+    print(f"flapping broker: op p50 / p99 / max {pct(steps, 50):.0f} / {pct(steps, 99):.0f} / {max(steps):.0f} ms "
+          f"(riding out the restarts; n={len(steps)})")
+
+
+# -- 6. two consumers of one queue ------------------------------------------------------------------------
+
+
+def bench_two_consumers() -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="twinkle-two-consumers-"))
+    broker = PrivateRedis(workdir / "redis", appendonly=True)
+    broker.start()
+    server = Server(workdir, ensure_tiny_model(workdir / "tiny-qwen"), broker)
+    server.start()
+    r = redis.Redis.from_url(broker.url)
+    queue_name = "model.models-tiny.0"
+    extra: list[subprocess.Popen[bytes]] = []
+    replacement: BenchServer | None = None
+    try:
+        tenant = Client(server.api, "bench-two-consumers")
+        first = worker_of(r, queue_name)
+        for _ in range(3):
+            tenant.step()
+        # a second launcher on this machine, and two bare workers as other nodes would start them, all at once
+        commands = {"a second `launch --only worker` here": ["twinkle.server", "launch", "--only", "worker",
+                                                             "models-tiny", "-c", str(server.cfg_path)],
+                    "a worker as on another node": ["workers", "-c", str(server.cfg_path), "--app", "models-tiny"],
+                    "another worker as on a third node": ["workers", "-c", str(server.cfg_path), "--app",
+                                                          "models-tiny"]}
+        logs = [workdir / f"second-{i}.log" for i in range(len(commands))]
+        began = time.monotonic()
+        extra = [subprocess.Popen([sys.executable, "-m", *command], stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                                  env=dict(os.environ, TWINKLE_BROKER_URL=broker.url), start_new_session=True)
+                 for command, log in zip(commands.values(), logs, strict=True)]
+        during: Counter[str] = Counter()
+        while any(p.poll() is None for p in extra) and time.monotonic() - began < 120:
+            body = tenant.wait(tenant.c.post("/forward_backward", json=tenant.fb).json()["request_id"])
+            during["failed:" + str(body.get("code")) if "error" in body else "completed"] += 1
+        for name, p, log in zip(commands, extra, logs, strict=True):
+            line = next((x for x in log.read_text().splitlines() if re.search("lease|holds|already runs", x)), "?")
+            print(f"two consumers: {name} exited {p.poll()} ({time.monotonic() - began:.1f} s at the latest): "
+                  f"{line.strip()[:240]}")
+        print("two consumers: the tenant's ops meanwhile: " + ", ".join(f"{k} x{v}" for k, v in sorted(during.items()))
+              + f"; consumer pid unchanged: {worker_of(r, queue_name) == first}")
+
+        os.kill(server.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        replacement = BenchServer(workdir, "replacement", yaml_config(server.cfg_path), env={})
+        startup = replacement.start()
+        fresh = Client(replacement.api, "bench-two-consumers-new")
+        fresh.step()
+        trained = time.monotonic() - killed
+        tenant.c = httpx.Client(base_url=replacement.api, headers={"X-API-Key": "bench-two-consumers"}, timeout=60)
+        lost = tenant.wait(tenant.c.post("/forward_backward", json=tenant.fb).json()["request_id"])
+        print(f"two consumers: SIGKILL of the first launcher, a new one started at once: ready in {startup:.1f} s, "
+              f"a new adapter trained {trained:.1f} s after the kill; consumer now pid {worker_of(r, queue_name)} "
+              f"(was {first}); the old adapter's next op: {lost.get('code', 'completed')}: {lost.get('error', '')}")
+    finally:
+        for p in extra:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        if replacement is not None:
+            replacement.stop()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.proc.pid, signal.SIGKILL)
+        broker.kill()
+
+
+def yaml_config(path: Path) -> dict[str, Any]:
+    import yaml
+
+    return dict(yaml.safe_load(path.read_text()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -567,7 +709,15 @@ def main() -> None:
     parser.add_argument("--only", choices=["outages", "polls", "load"], help="run this phase alone")
     parser.add_argument("--frozen-backlog", type=int, metavar="N", default=0,
                         help="run only phase 4 with N ops (2000 in the README)")
+    parser.add_argument("--flapping", type=int, metavar="N", default=0, help="run only phase 5 with N restarts")
+    parser.add_argument("--two-consumers", action="store_true", help="run only phase 6")
     ns = parser.parse_args()
+    if ns.flapping:
+        bench_flapping(ns.flapping)
+        return
+    if ns.two_consumers:
+        bench_two_consumers()
+        return
     if ns.frozen_backlog:
         bench_frozen_backlog(ns.frozen_backlog)
         return
