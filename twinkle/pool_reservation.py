@@ -130,8 +130,9 @@ class PoolReservation:
         self._renewed = time.monotonic()
 
     def diverts(self, rec: FutureRecord) -> bool:
-        """Whether `rec` belongs to another run than the one holding the pool: it must not run now."""
-        return self.holder is not None and bool(rec.model_id) and rec.model_id != self.holder
+        """Whether `rec` is not the holding run's own op: it must not run now. Ops of no run wait too: a sample of
+        a sampler checkpoint on a pool without a sampler pool generates with the weights the full run changed."""
+        return self.holder is not None and rec.model_id != self.holder
 
     def park(self, op: str, rec: FutureRecord) -> bool:
         """Park the op's message until the reservation ends. False when it ended meanwhile: run the op now."""

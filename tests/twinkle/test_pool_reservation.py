@@ -38,6 +38,7 @@ def test_other_runs_ops_park_and_go_back_to_the_head_of_the_queue_oldest_first_w
     reservation.take(op("c1", "full-run"), "s1")
     private_client.lpush(QUEUE, json.dumps({"id": "later"}))  # submitted meanwhile, not yet delivered
     assert not reservation.diverts(op("f1", "full-run"))
+    assert reservation.diverts(op("s1", ""))  # a sample of a sampler checkpoint would use the changed weights
     for rid in ("a1", "b1", "a2"):
         assert reservation.diverts(op(rid, rid[0]))
         assert reservation.park("forward", op(rid, rid[0]))
