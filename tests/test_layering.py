@@ -1,10 +1,12 @@
-"""Dependencies point one way: the API never imports torch, workers never import FastAPI, and the
-client and the wire types stay light."""
+"""Dependencies point one way: the API never imports torch, workers never import FastAPI, the client and the
+wire types stay light, and the project's packages import each other in one direction only."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +30,43 @@ def imported_after(statement: str) -> set[str]:
 )
 def test_modules_do_not_import_what_their_layer_forbids(statement: str, forbidden: set[str]) -> None:
     assert not (imported_after(statement) & forbidden)
+
+
+REPO = Path(__file__).resolve().parents[1]
+# package -> the project's packages it must never import, at any depth (lazy imports inside functions included)
+NEVER = {
+    "twinkle": {"twinkle_client", "api", "workers", "cookbook", "bench", "tests"},
+    "twinkle_client": {"api", "workers", "cookbook", "bench", "tests"},
+    "api": {"workers", "cookbook", "bench", "tests"},
+    "workers": {"api", "cookbook", "bench", "tests"},
+}
+# (module file, imported package): the one crossing kept, and why
+ALLOWED = {("twinkle/server/cli.py", "twinkle_client")}  # `twinkle-server export-merged` is a client of a server
+
+
+def project_imports(path: Path) -> set[str]:
+    """The top-level packages `path` imports, absolute imports only (the project uses no relative ones)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def crossings(package: str) -> set[tuple[str, str]]:
+    return {(str(path.relative_to(REPO)), imported)
+            for path in (REPO / package).rglob("*.py")
+            for imported in project_imports(path) & NEVER[package]}
+
+
+@pytest.mark.parametrize("package", sorted(NEVER))
+def test_package_imports_point_one_way(package: str) -> None:
+    assert crossings(package) - ALLOWED == set()
+
+
+def test_the_boundary_check_sees_an_import_inside_a_function(tmp_path: Path) -> None:
+    module = tmp_path / "lazy.py"
+    module.write_text("def f():\n    from workers.pool import run\n    return run\n")
+    assert project_imports(module) == {"workers"}

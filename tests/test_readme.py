@@ -59,7 +59,7 @@ def test_the_tinker_sdk_snippet_runs_as_printed(mock_server: LaunchedServer) -> 
 
 
 def test_the_examples_and_their_no_server_hint_name_the_server_the_quick_start_launches() -> None:
-    from twinkle.example_connection import START_HINT
+    from twinkle_client.example_connection import START_HINT
 
     (commands,) = code_blocks(section("Quick start"), "bash")
     assert START_HINT in commands

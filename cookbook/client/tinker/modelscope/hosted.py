@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from twinkle.example_connection import server_messages
+from twinkle_client.example_connection import server_messages
 
 HOSTED_MODEL = os.environ.get("TWINKLE_BASE_MODEL", "Qwen/Qwen3.5-4B")
 

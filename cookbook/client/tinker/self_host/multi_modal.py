@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinkle.example_connection import require_server, server_messages
+from twinkle_client.example_connection import require_server, server_messages
 
 DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 SERVER_REFUSED = 3  # exit status when the server cannot train on images

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from twinkle.example_connection import require_server, server_messages
+from twinkle_client.example_connection import require_server, server_messages
 
 DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 

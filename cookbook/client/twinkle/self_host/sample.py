@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from twinkle.example_connection import require_server, server_messages, tokenizer_dir
+from twinkle_client.example_connection import require_server, server_messages, tokenizer_dir
 
 
 @dataclass
