@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from twinkle.backends.base import ContinuousSampling
 from twinkle.futures import Op
 from twinkle.types import SampleOutput, SampleRequest
 from workers.fair_share import FairShare, op_cost
@@ -101,7 +102,7 @@ class SampleBatcher:
                     return
 
     def _run(self) -> None:
-        serve = getattr(self.sampler, "serve", None)
+        serve = self.sampler.serve if isinstance(self.sampler, ContinuousSampling) else None
         while True:
             with self._cond:
                 while not self._pending or self._in_flight >= self.max_batch:

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinkle.backends.base import FusedPasses
 from twinkle.futures import FutureRecord, Op
 from twinkle.types import ForwardBackwardInput, input_length
 from workers.fair_share import FairShare, op_cost
@@ -84,7 +85,7 @@ class FusedRunner:
 
     @staticmethod
     def available(backend: Any) -> bool:
-        return callable(getattr(backend, "run_fused", None))
+        return isinstance(backend, FusedPasses)
 
     @staticmethod
     def fusable(job: Job) -> bool:

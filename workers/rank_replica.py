@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from twinkle.backends.base import FusedEligibility, GradientSync
 from twinkle.types import (
     AdamParams,
     ForwardBackwardInput,
@@ -63,7 +64,7 @@ class RankReplica:
         device = torch.device("cuda", 0) if collective == "nccl" else torch.device("cpu")
         self.reducer = TorchGradientReducer(device)
         log.info("rank %d/%d ready (%s, pid %d)", self.rank, self.world_size, collective, os.getpid())
-        return self.backend.info, not hasattr(self.backend, "sync_gradients")
+        return self.backend.info, not isinstance(self.backend, GradientSync)
 
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
         self.backend.create_adapter(adapter_id, spec)
@@ -80,8 +81,9 @@ class RankReplica:
         return self.backend.forward(adapter_id, batch)
 
     def fused_solo_reason(self, adapter_id: str, batch: ForwardBackwardInput) -> str | None:
-        ask = getattr(self.backend, "fused_solo_reason", None)
-        return "this backend runs one call at a time" if ask is None else ask(adapter_id, batch)
+        if not isinstance(self.backend, FusedEligibility):
+            return "this backend runs one call at a time"
+        return self.backend.fused_solo_reason(adapter_id, batch)
 
     def run_fused_shards(self, calls: list[tuple[str, ForwardBackwardInput | None, bool]]) -> list[Any]:
         """This rank's shards of several calls as one fused pass (None where a call has no datum here)."""
@@ -94,7 +96,7 @@ class RankReplica:
         return results
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
-        if hasattr(self.backend, "sync_gradients"):
+        if isinstance(self.backend, GradientSync):
             self.backend.sync_gradients(adapter_id, self.reducer)
         return self.backend.optim_step(adapter_id, params)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 
+from twinkle.backends.base import PagedAdapters
 from twinkle.keys import Keys
 
 
@@ -32,13 +33,11 @@ class SlotResidency:
         pipe.execute()
 
     def resident(self) -> set[str]:
-        resident_adapters = getattr(self.backend, "resident_adapters", None)
-        return set(resident_adapters()) if resident_adapters is not None else set(self.held())
+        return set(self.backend.resident_adapters()) if isinstance(self.backend, PagedAdapters) else set(self.held())
 
     def publish(self) -> None:
         resident = self.resident()
-        stats_of = getattr(self.backend, "paging_stats", None)
-        stats = stats_of() if stats_of is not None else {}
+        stats: dict[Any, Any] = self.backend.paging_stats() if isinstance(self.backend, PagedAdapters) else {}
         if resident == self._published and stats == self._stats:
             return
         key = self.keys.pool_adapters(self.queue)

@@ -9,7 +9,7 @@ anything else propagates and is reported as a server error.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from twinkle.types import (
     AdamParams,
@@ -69,3 +69,43 @@ class SamplerBackend(Protocol):
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleOutput]:
         """Serve a batch; each request names its adapter by `adapter_path` (None: base model)."""
+
+
+# Optional capabilities: a backend or sampler has them or not, and the pool asks with isinstance.
+
+
+@runtime_checkable
+class FusedPasses(Protocol):
+    """Runs several adapters' forward/backward calls as one pass (workers.clock)."""
+
+    def run_fused(self, calls: list[tuple[str, ForwardBackwardInput, bool]]) -> list[Any]: ...
+
+
+@runtime_checkable
+class FusedEligibility(Protocol):
+    """Says why one call cannot join a fused pass (None: it can)."""
+
+    def fused_solo_reason(self, adapter_id: str, batch: ForwardBackwardInput) -> str | None: ...
+
+
+@runtime_checkable
+class GradientSync(Protocol):
+    """Sums an adapter's (or a full run's) gradients over data-parallel ranks before its optimizer step."""
+
+    def sync_gradients(self, adapter_id: str, reducer: Any) -> None: ...
+
+
+@runtime_checkable
+class PagedAdapters(Protocol):
+    """Holds some adapters in device slots and pages the others out (backends.paging)."""
+
+    def resident_adapters(self) -> list[str]: ...
+
+    def paging_stats(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class ContinuousSampling(Protocol):
+    """Serves one continuous generation that takes new requests between decode steps (workers.batcher)."""
+
+    def serve(self, take: Any) -> None: ...
