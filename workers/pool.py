@@ -25,7 +25,8 @@ from twinkle.backlog import BacklogRelease
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.celery_app import make_celery, task_name
 from twinkle.checkpoints import CheckpointStore
-from twinkle.config import load_config
+from twinkle.config import Application, ModelApp, ProcessorApp, SamplerApp, ServerConfig, load_config
+from twinkle.config.clock import SchedulingConfig
 from twinkle.config.full_finetune import FullFinetuneConfig
 from twinkle.errors import PoolLeaseHeld
 from twinkle.futures import Op
@@ -36,6 +37,7 @@ from twinkle.pool_reservation import PoolReservation
 from twinkle.server import startup, verbosity
 from twinkle.task_message import task_message
 from twinkle.telemetry import op_span, setup_worker_telemetry
+from twinkle.types import ModelInfo
 from twinkle.usage import UsageLedger
 from workers import broker_link, processor
 from workers.exports import ExportSettings
@@ -53,76 +55,94 @@ STARTED_AT = time.time()  # this worker process's start
 BROKER_RETRIES = 30
 
 
-def broker_url_from(config: Any) -> str:
+def broker_url_from(config: ServerConfig) -> str:
     url = os.environ.get("TWINKLE_BROKER_URL") or config.broker.url
     if not url:
         sys.exit("No broker URL: set broker.url in the config or TWINKLE_BROKER_URL (the launcher does).")
     return str(url)
 
 
-def queue_for(app: Any, replica: int) -> str:
-    if app.import_path == "model":
+def queue_for(app: Application, replica: int) -> str:
+    if isinstance(app, ModelApp):
         return model_queue(app.name, replica)
-    if app.import_path == "sampler":
+    if isinstance(app, SamplerApp):
         return sampler_queue(app.name)
     return processor_queue(app.name)
 
 
-def build_runtime(config: Any, app: Any, replica: int, r: redis.Redis, keys: Keys,
+def build_runtime(config: ServerConfig, app: Application, replica: int, r: redis.Redis, keys: Keys,
                   lease: PoolLease | None = None) -> PoolRuntime:
+    """The pool's runtime, its model (if any) loaded and its threads started."""
     queue = queue_for(app, replica)
-    store = CheckpointStore(config.storage.checkpoint_dir)
-    ttl = config.storage.future_ttl_seconds
-    args = app.args
-    if app.import_path != "processor":
-        log.info("pool %s: loading %s", queue, args.model_id)
-    started = time.perf_counter()
-    if app.import_path == "model":
-        backend, sampler = build_model_pool(config, app, replica)  # in process, or on a Ray device group
-        model_handlers = ModelPoolHandlers(backend, sampler, store, r, keys, queue, exports=ExportSettings(
-            args.backend, args.model_id, args.export, getattr(backend, "compute_dtype", None) or args.torch_dtype))
-        runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=ttl,
-                              has_adapter=backend.has_adapter, queue_timeout=queue_timeout(args), lease=lease)
-        if args.clock.enabled or args.scheduling.policy == "fair":
-            runtime.use_clock(backend, args.clock, args.scheduling, after_fused=model_handlers.residency.publish)
-        adapters = args.adapter_config
-        reaper = AdapterReaper(r, keys, adapter_ids=model_handlers.adapter_ids, remove=model_handlers.drop_adapter,
-                               lock=runtime.lock, adapter_timeout=adapters.adapter_timeout,
-                               max_lifetime=adapters.adapter_max_lifetime)
-        threading.Thread(target=reaper.run_forever, name="adapter-reaper", daemon=True).start()
-        if args.queue_config.execution_timeout > 0:
-            Watchdog(runtime, args.queue_config.execution_timeout).start()
-        if adapters.snapshot_interval > 0:
-            AdapterSnapshots(model_handlers, runtime.lock, adapters.snapshot_interval).start()
-        if args.full_finetune.enabled:
-            _reserve_for_full_runs(runtime, model_handlers, args.full_finetune)
-        info = backend.info
-        holder: Any = backend
-    elif app.import_path == "sampler":
-        sampler = build_sampler(args.model_id, args.sampler_type, max_loras=args.adapter_config.max_loras,
-                                engine_args=args.engine_args)
-        runtime = PoolRuntime(r, keys, queue, SamplerPoolHandlers(
-            sampler, sampler_slots(app), r, fair=args.scheduling.policy == "fair").table(),
-                              future_ttl=ttl, serialize=False, queue_timeout=queue_timeout(args), lease=lease)
-        info = sampler.info
-        holder = sampler
-    elif app.import_path == "processor":
+    if isinstance(app, ModelApp):
+        return _model_runtime(config, app, replica, queue, r, keys, lease)
+    if isinstance(app, SamplerApp):
+        return _sampler_runtime(config, app, queue, r, keys, lease)
+    if isinstance(app, ProcessorApp):
         processor.warm_up()
-        runtime = PoolRuntime(r, keys, queue, processor.handlers(), future_ttl=ttl, serialize=False, lease=lease)
-        runtime.announce(keys.pool_info(app.name), json.dumps({"processes": args.ncpu_proc_per_node}))
+        runtime = PoolRuntime(r, keys, queue, processor.handlers(), future_ttl=config.storage.future_ttl_seconds,
+                              serialize=False, lease=lease)
+        runtime.announce(keys.pool_info(app.name), json.dumps({"processes": app.args.ncpu_proc_per_node}))
         log.info("pool %s: ready", queue)
         return runtime
-    else:
-        raise SystemExit(f"application {app.name!r} ({app.import_path}) has no pool worker")
-    if getattr(args, "scheduling", None) is not None and args.scheduling.policy == "fair":
-        runtime.backlog = BacklogRelease(r, keys, queue, args.scheduling.window, ttl)
+    raise SystemExit(f"application {app.name!r} ({app.import_path}) has no pool worker")
+
+
+def _model_runtime(config: ServerConfig, app: ModelApp, replica: int, queue: str, r: redis.Redis, keys: Keys,
+                   lease: PoolLease | None) -> PoolRuntime:
+    args = app.args
+    log.info("pool %s: loading %s", queue, args.model_id)
+    started = time.perf_counter()
+    backend, sampler = build_model_pool(config, app, replica)  # in process, or on a Ray device group
+    model_handlers = ModelPoolHandlers(backend, sampler, CheckpointStore(config.storage.checkpoint_dir), r, keys,
+                                       queue, exports=ExportSettings(
+        args.backend, args.model_id, args.export, getattr(backend, "compute_dtype", None) or args.torch_dtype))
+    runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=config.storage.future_ttl_seconds,
+                          has_adapter=backend.has_adapter, queue_timeout=args.queue_config.queue_timeout, lease=lease)
+    if args.clock.enabled or args.scheduling.policy == "fair":
+        runtime.use_clock(backend, args.clock, args.scheduling, after_fused=model_handlers.residency.publish)
+    adapters = args.adapter_config
+    reaper = AdapterReaper(r, keys, adapter_ids=model_handlers.adapter_ids, remove=model_handlers.drop_adapter,
+                           lock=runtime.lock, adapter_timeout=adapters.adapter_timeout,
+                           max_lifetime=adapters.adapter_max_lifetime)
+    threading.Thread(target=reaper.run_forever, name="adapter-reaper", daemon=True).start()
+    if args.queue_config.execution_timeout > 0:
+        Watchdog(runtime, args.queue_config.execution_timeout).start()
+    if adapters.snapshot_interval > 0:
+        AdapterSnapshots(model_handlers, runtime.lock, adapters.snapshot_interval).start()
+    if args.full_finetune.enabled:
+        _reserve_for_full_runs(runtime, model_handlers, args.full_finetune)
+    _ready(config, app, runtime, args.scheduling, backend.info, backend, started)
+    return runtime
+
+
+def _sampler_runtime(config: ServerConfig, app: SamplerApp, queue: str, r: redis.Redis, keys: Keys,
+                     lease: PoolLease | None) -> PoolRuntime:
+    args = app.args
+    log.info("pool %s: loading %s", queue, args.model_id)
+    started = time.perf_counter()
+    sampler = build_sampler(args.model_id, args.sampler_type, max_loras=args.adapter_config.max_loras,
+                            engine_args=dict(args.engine_args))
+    handlers = SamplerPoolHandlers(sampler, sampler_slots(app), r, fair=args.scheduling.policy == "fair")
+    runtime = PoolRuntime(r, keys, queue, handlers.table(), future_ttl=config.storage.future_ttl_seconds,
+                          serialize=False, queue_timeout=args.queue_config.queue_timeout, lease=lease)
+    _ready(config, app, runtime, args.scheduling, sampler.info, sampler, started)
+    return runtime
+
+
+def _ready(config: ServerConfig, app: ModelApp | SamplerApp, runtime: PoolRuntime, scheduling: SchedulingConfig,
+           info: ModelInfo, holder: Any, started: float) -> None:
+    """What a model or sampler pool sets up once its model is loaded: key backlogs, metering, announcements."""
+    keys = runtime.keys
+    if scheduling.policy == "fair":
+        runtime.backlog = BacklogRelease(runtime.r, keys, runtime.queue, scheduling.window,
+                                         config.storage.future_ttl_seconds)
     if config.usage.enabled:
-        runtime.ledger = UsageLedger(r, keys)
-        runtime.usage_model = args.served_name
+        runtime.ledger = UsageLedger(runtime.r, keys)
+        runtime.usage_model = app.args.served_name
     runtime.announce(keys.pool_info(app.name), json.dumps(asdict(info)))
     _announce_lora_modules(runtime, keys.pool_lora_modules(app.name), holder)
-    log.info("pool %s: ready in %.1f s (%s)", queue, time.perf_counter() - started, info.model_name)
-    return runtime
+    log.info("pool %s: ready in %.1f s (%s)", runtime.queue, time.perf_counter() - started, info.model_name)
 
 
 def _reserve_for_full_runs(runtime: PoolRuntime, handlers: ModelPoolHandlers, full: FullFinetuneConfig) -> None:
@@ -146,12 +166,7 @@ def _announce_lora_modules(runtime: PoolRuntime, key: str, holder: Any) -> None:
         runtime.announce(key, json.dumps(shapes))
 
 
-def queue_timeout(args: Any) -> float:
-    queue_config = getattr(args, "queue_config", None)
-    return float(queue_config.queue_timeout) if queue_config is not None else 0.0
-
-
-def sampler_slots(app: Any) -> int:
+def sampler_slots(app: SamplerApp) -> int:
     """How many sample requests a sampler pool batches together: vLLM's `max_num_seqs`, else the deployment's
     `max_ongoing_requests` (the seed's name for what one replica handles at once), else 16."""
     engine = getattr(app.args, "engine_args", None) or {}
@@ -159,7 +174,7 @@ def sampler_slots(app: Any) -> int:
     return int(engine.get("max_num_seqs") or ongoing or 16)
 
 
-def sampler_threads(app: Any) -> int:
+def sampler_threads(app: SamplerApp) -> int:
     """Sample requests a sampler pool holds: the batch, and the waiting ones fair share chooses from."""
     return max(sampler_slots(app), app.args.scheduling.window)
 
@@ -255,9 +270,9 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
                          name="liveness", daemon=True).start()
     # Model and sampler pools: one op at a time in one process that holds the model (threads, -c 1).
     # Processor pools: stateless CPU work in parallel processes (prefork).
-    if app.import_path == "processor":
-        pool = ["-P", "prefork", "-c", str(getattr(app.args, "ncpu_proc_per_node", 1))]
-    elif app.import_path == "sampler":
+    if isinstance(app, ProcessorApp):
+        pool = ["-P", "prefork", "-c", str(app.args.ncpu_proc_per_node)]
+    elif isinstance(app, SamplerApp):
         pool = ["-P", "threads", "-c", str(sampler_threads(app))]  # stateless: batched, may reorder
     else:
         # One thread runs ops in delivery order; reserving the next message while an op runs saves the fetch
