@@ -37,7 +37,7 @@ class ApiContext:
     max_request_bytes: int = 64 << 20
     tinker_client_config: dict[str, Any] = field(default_factory=dict)
     writes: CheckpointWrites | None = None  # the per-key cap on outstanding checkpoint saves
-    downloads: DownloadSigner | None = None  # signs download URLs; made on first use (api/routes/downloads.py)
+    downloads: DownloadSigner | None = None  # signs download URLs; made on first use (api/services/downloads.py)
     export_store: ExportStore | None = None  # set: downloads come from an S3-compatible bucket instead
 
     _model_infos: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)

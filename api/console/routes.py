@@ -19,6 +19,7 @@ from api.console.readings import pool_readings, recent_errors, run_series, tenan
 from api.console.usage_page import usage_page
 from api.context import ApiContext
 from api.deps import Ctx, IsAdmin, Tenant
+from api.services.downloads import archive_url, merged_archive_url
 from api.usage_report import DEFAULT_DAYS, MAX_DAYS, build_report, tenants_with_usage, usage_query
 from twinkle.auth import key_from_headers
 from twinkle.checkpoints import CHECKPOINT_TYPES, CheckpointRef
@@ -60,15 +61,11 @@ def _is_admin(ctx: ApiContext, x_api_key: str | None, authorization: str | None)
 
 def _downloads(ctx: ApiContext, request: Request, tenant: str) -> Any:
     """A function giving a checkpoint's signed archive URL (valid without the key, until it expires)."""
-    from api.routes.downloads import signed_url
-
     def link(run_id: str, entry: dict[str, Any]) -> str | None:
         kind, _, name = str(entry.get("checkpoint_id", "")).partition("/")
         if kind not in CHECKPOINT_TYPES or not name:
             return None
-        ref = CheckpointRef(run_id, kind, name)  # type: ignore[arg-type]
-        url, _ = signed_url(ctx, request, tenant, "download_archive", f"{ref.uri()}/archive.tar",
-                         run_id=ref.run_id, kind=ref.kind, name=ref.name)
+        url, _ = archive_url(ctx, request, tenant, CheckpointRef(run_id, kind, name))  # type: ignore[arg-type]
         return url
 
     return link
@@ -76,8 +73,6 @@ def _downloads(ctx: ApiContext, request: Request, tenant: str) -> Any:
 
 def _merged_downloads(ctx: ApiContext, request: Request, tenant: str) -> Any:
     """A function giving the signed URL of a checkpoint's verified merged export as a tar (None: none yet)."""
-    from api.routes.downloads import merged_archive_url
-
     def link(run_id: str, entry: dict[str, Any]) -> str | None:
         kind, _, name = str(entry.get("checkpoint_id", "")).partition("/")
         export = entry.get("export")

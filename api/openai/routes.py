@@ -6,7 +6,7 @@ tokenizes (twinkle.chat_tokenizer, no torch here), then submits one sample op pe
 exactly like `/asample` (a future underneath, so continuous batching applies) and waits for it. Streaming
 answers with server-sent events: the role at once, keep-alive comments while the op waits, and the text as
 the sampler pool publishes its tokens (api/openai/token_feed.py); samplers that cannot stream send it whole
-at the end, as per-token deltas.
+at the end, as per-token deltas (api/openai/streaming.py).
 
 Logprobs (chat `logprobs` / `top_logprobs`, completions `logprobs` and `echo`) are the sampler's: the raw
 model's log-softmax at temperature 1, the numbers a training `forward` computes for the same tokens. Every
@@ -16,7 +16,6 @@ request parameter is honoured or refused by name (api/openai/wire.py).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -25,16 +24,18 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from api.context import ApiContext
 from api.deps import Ctx, Policy, Tenant
 from api.errors import request_id_of
 from api.openai import wire
+from api.openai.choices import Choice, choices_of
+from api.openai.streaming import KEEPALIVE_SECONDS, DeltaText, sse_event, sse_response
 from api.openai.token_feed import Check, TokenFeed, follow_without_feed
-from api.routes.futures import wait_for_future
-from api.routes.sampling import sampling_target
+from api.services.futures import wait_for_future
+from api.services.sampling import sampling_target
 from twinkle.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
 from twinkle.checkpoints import SCHEMES
 from twinkle.errors import BackendFailure, InvalidRequest, NotFound, RateLimited, TwinkleError
@@ -47,7 +48,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MODELS_PAGE = 100  # /v1/models entries per page unless `limit` says otherwise
 MODELS_PAGE_MAX = 1000
 MAX_PROMPTS = 64
-KEEPALIVE_SECONDS = 10.0
 
 
 class OpenAIRoute(APIRoute):
@@ -168,35 +168,11 @@ async def outcome(ctx: ApiContext, tenant: str, request_id: str, *,
     return result
 
 
-def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """OpenAI leaves the stop sequence out of the text."""
-    cut = min((i for s in stops if (i := text.find(s)) >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
+def _check(ctx: ApiContext, tenant: str, request_id: str) -> Check:
+    async def check(timeout: float) -> SampleOutput | None:
+        return await outcome(ctx, tenant, request_id, timeout=timeout)
 
-
-@dataclass
-class Choice:
-    text: str
-    finish_reason: str
-    tokens: list[int]
-    logprobs: list[float]
-    top: list[list[tuple[int, float]]] | None = None  # each token's top-k alternatives, when asked for
-
-    def mean_logprob(self) -> float:
-        """Log probability per token, by which best_of ranks completions (0 for none)."""
-        return sum(self.logprobs) / len(self.logprobs) if self.logprobs else 0.0
-
-
-def choices_of(out: SampleOutput, tokenizer: ChatTokenizer, stops: Sequence[str], keep_tokens: bool = True
-               ) -> list[Choice]:
-    choices = []
-    for seq in out.sequences:
-        tokens = list(seq.tokens) if keep_tokens else []
-        text, stopped = cut_at_stop(tokenizer.decode(tokens), stops)
-        reason = "stop" if stopped or seq.stop_reason == "stop" else "length"
-        top = list(seq.topk_logprobs)[: len(tokens)] if seq.topk_logprobs is not None else None
-        choices.append(Choice(text, reason, tokens, list(seq.logprobs)[: len(tokens)], top))
-    return choices
+    return check
 
 
 # -- chat ----------------------------------------------------------------------------------------------------
@@ -220,7 +196,7 @@ async def chat_completions(body: wire.ChatCompletionBody, ctx: Ctx, tenant: Tena
             await feed.close()
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(_chat_stream(ctx, tenant, request_id, feed, target, body, len(prompt), include_usage))
+        return sse_response(_chat_stream(ctx, tenant, request_id, feed, target, body, len(prompt), include_usage))
     request_id = await submit(ctx, tenant, policy, target, prompt, params, body.n,
                               logprobs=Logprobs(sampled_top=(body.top_logprobs or 0) if body.logprobs else 0))
     ident = f"chatcmpl-{request_id}"
@@ -247,7 +223,7 @@ async def _chat_stream(ctx: ApiContext, tenant: str, request_id: str, feed: Toke
     ident = f"chatcmpl-{request_id}"
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return _event(wire.envelope("chat.completion.chunk", ident, body.model, choices, **extra))
+        return sse_event(wire.envelope("chat.completion.chunk", ident, body.model, choices, **extra))
 
     def content(index: int, piece: str) -> str:
         return chunk([{"index": index, "delta": {"content": piece}, "finish_reason": None}])
@@ -323,7 +299,7 @@ async def completions(body: wire.CompletionBody, ctx: Ctx, tenant: Tenant,
     ident = f"cmpl-{ids[0]}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(_completion_stream(ctx, tenant, ids, feed, ident, target, body, prompts, requested,
+        return sse_response(_completion_stream(ctx, tenant, ids, feed, ident, target, body, prompts, requested,
                                        include_usage))
     outs = await asyncio.gather(*(outcome(ctx, tenant, rid) for rid in ids))
     choices: list[dict[str, Any]] = []
@@ -381,7 +357,7 @@ async def _completion_stream(ctx: ApiContext, tenant: str, ids: list[str], feed:
                              target: Target, body: wire.CompletionBody, prompts: list[list[int]], requested: int,
                              include_usage: bool) -> AsyncIterator[str]:
     def chunk(index: int, text: str, finish_reason: str | None = None) -> str:
-        return _event(wire.envelope("text_completion", ident, body.model, [
+        return sse_event(wire.envelope("text_completion", ident, body.model, [
             {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]))
 
     first, completion_tokens = 0, 0
@@ -409,7 +385,7 @@ async def _completion_stream(ctx: ApiContext, tenant: str, ids: list[str], feed:
                     yield chunk(first + i, "", c.finish_reason if requested > 0 else "length")
         first += body.n
     if include_usage:
-        yield _event(wire.envelope("text_completion", ident, body.model, [],
+        yield sse_event(wire.envelope("text_completion", ident, body.model, [],
                                    usage=wire.usage(sum(len(p) for p in prompts), completion_tokens)))
     yield "data: [DONE]\n\n"
 
@@ -458,89 +434,3 @@ def _created(when: Any) -> float:
         return datetime.fromisoformat(str(when)).timestamp()
     except ValueError:
         return 0.0
-
-
-# -- streaming helpers ---------------------------------------------------------------------------------------
-
-
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(_guarded(events), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def _check(ctx: ApiContext, tenant: str, request_id: str) -> Check:
-    async def check(timeout: float) -> SampleOutput | None:
-        return await outcome(ctx, tenant, request_id, timeout=timeout)
-
-    return check
-
-
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A failure after the stream started cannot change the status code any more: it becomes an error event,
-    as OpenAI sends one, and the stream ends."""
-    try:
-        async for event in events:
-            yield event
-    except TwinkleError as exc:
-        yield _event(wire.error_body(str(exc), "invalid_request_error" if exc.category == "user"
-                                     else "server_error", exc.code))
-        yield "data: [DONE]\n\n"
-
-
-class DeltaText:
-    """One choice's text, sent as deltas: grown from the tokens streamed so far, completed from the output.
-
-    A preview never shows what the output may still take back: text past a stop sequence, the last
-    characters that could begin one, or a character whose bytes are still incomplete."""
-
-    def __init__(self, tokenizer: ChatTokenizer, stops: Sequence[str], *, keep: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.keep = keep  # False: max_tokens 0, no generated text is shown
-        self.shown = ""
-
-    def grow(self, tokens: list[int]) -> str:
-        if not self.keep:
-            return ""
-        text, stopped = cut_at_stop(self.tokenizer.decode(tokens), self.stops)
-        text = text.rstrip("\ufffd")
-        if not stopped and self.hold:
-            text = text[: max(0, len(text) - self.hold)]
-        if len(text) <= len(self.shown) or not text.startswith(self.shown):
-            return ""
-        piece, self.shown = text[len(self.shown) :], text
-        return piece
-
-    def finish(self, choice: Choice) -> list[str]:
-        """What the client has not seen yet: per-token deltas when nothing was streamed, else the rest."""
-        if not self.shown:
-            self.shown = choice.text
-            return _pieces(choice, self.tokenizer)
-        if not choice.text.startswith(self.shown):
-            return []  # decoding that does not grow by prefixes; nothing sent can be taken back
-        rest, self.shown = choice.text[len(self.shown) :], choice.text
-        return [rest] if rest else []
-
-
-def _pieces(choice: Choice, tokenizer: ChatTokenizer) -> list[str]:
-    """The text as per-token deltas; a token that ends inside a multi-byte character waits for the next."""
-    pieces, shown = [], ""
-    for end in range(1, len(choice.tokens) + 1):
-        text = tokenizer.decode(choice.tokens[:end])
-        if text.endswith("\ufffd") or not text.startswith(shown):
-            continue
-        piece, shown = text[len(shown) :], text
-        if len(shown) > len(choice.text):  # past a stop sequence
-            piece = piece[: max(0, len(choice.text) - (len(shown) - len(piece)))]
-        if piece:
-            pieces.append(piece)
-        if len(shown) >= len(choice.text):
-            break
-    if "".join(pieces) != choice.text:  # decoding that does not grow by prefixes: send the whole text
-        return [choice.text] if choice.text else []
-    return pieces

@@ -18,28 +18,21 @@ from datetime import UTC, datetime
 from email.utils import formatdate
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 
 from api.context import ApiContext
 from api.deps import Ctx, Tenant
+from api.services.downloads import archive_url, download_signer, merged_archive_url, merged_subject, signed_url
 from twinkle import merged_export
 from twinkle.checkpoints import CHECKPOINT_TYPES, MERGED_RECORD, METADATA_FILE, CheckpointRef, validate_name
-from twinkle.download_urls import DownloadSigner
 from twinkle.errors import ExportVerificationFailed, InvalidRequest, NotFound
 from twinkle.tar_stream import TarStream
 
 router = APIRouter()
 _EXCLUDED = frozenset({METADATA_FILE})  # Twinkle's bookkeeping, not part of the adapter
 _MERGED_EXCLUDED = frozenset({MERGED_RECORD})  # nor of the merged model
-
-
-def _signer(ctx: ApiContext) -> DownloadSigner:
-    if ctx.downloads is None:  # built on first use: it may create the secret file next to the checkpoints
-        ctx.downloads = DownloadSigner.from_storage(ctx.config.storage)
-    return ctx.downloads
 
 
 def _ref(run_id: str, kind: str, name: str) -> CheckpointRef:
@@ -78,24 +71,6 @@ def _merged(ctx: ApiContext, tenant: str, ref: CheckpointRef) -> tuple[Path, dic
     return ctx.checkpoints.merged_path(tenant, ref), record
 
 
-def _merged_subject(ref: CheckpointRef, member: str) -> str:
-    return f"merged:{ref.uri()}/{member}"  # never a subject of the checkpoint's own files
-
-
-def _absolute(ctx: ApiContext, request: Request, route: str, **params: str) -> str:
-    url = str(request.url_for(route, **params))
-    public = ctx.config.storage.public_url
-    if public:  # behind a proxy: the host clients know, not the one this process sees
-        url = public.rstrip("/") + url[len(str(request.base_url).rstrip("/")):]
-    return url
-
-
-def signed_url(ctx: ApiContext, request: Request, tenant: str, route: str, subject: str, **params: str
-            ) -> tuple[str, int]:
-    query, expires = _signer(ctx).sign(tenant, subject)
-    return _absolute(ctx, request, route, **params) + "?" + urlencode(query), expires
-
-
 @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
 async def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, ctx: Ctx, tenant: Tenant
                                 ) -> dict[str, Any]:
@@ -110,7 +85,7 @@ async def external_weights_urls(run_id: str, checkpoint_id: str, request: Reques
             continue
         urls[name], expires = signed_url(ctx, request, tenant, "download_file", f"{ref.uri()}/{name}",
                                       run_id=ref.run_id, kind=ref.kind, name=ref.name, file_path=name)
-    expires = expires or int(datetime.now(UTC).timestamp()) + _signer(ctx).ttl_seconds
+    expires = expires or int(datetime.now(UTC).timestamp()) + download_signer(ctx).ttl_seconds
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
 
@@ -124,8 +99,7 @@ async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, 
         url, expires = await asyncio.to_thread(ctx.export_store.archive_url, tenant, ref, directory,
                                                exclude=_EXCLUDED)
     else:
-        url, expires = signed_url(ctx, request, tenant, "download_archive", f"{ref.uri()}/archive.tar",
-                                  run_id=ref.run_id, kind=ref.kind, name=ref.name)
+        url, expires = archive_url(ctx, request, tenant, ref)
     expires_iso = datetime.fromtimestamp(expires, UTC).isoformat()
     return Response(content=json.dumps({"url": url, "expires": expires_iso}), status_code=302,
                     media_type="application/json",
@@ -145,9 +119,9 @@ async def merged_urls(run_id: str, checkpoint_id: str, request: Request, ctx: Ct
             urls[name], expires = await asyncio.to_thread(ctx.export_store.merged_file_url, tenant, ref, directory,
                                                           name)
             continue
-        urls[name], expires = signed_url(ctx, request, tenant, "download_merged_file", _merged_subject(ref, name),
+        urls[name], expires = signed_url(ctx, request, tenant, "download_merged_file", merged_subject(ref, name),
                                          run_id=ref.run_id, kind=ref.kind, name=ref.name, file_path=name)
-    expires = expires or int(datetime.now(UTC).timestamp()) + _signer(ctx).ttl_seconds
+    expires = expires or int(datetime.now(UTC).timestamp()) + download_signer(ctx).ttl_seconds
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat(),
             "export": merged_export.summary(record)}
 
@@ -169,17 +143,11 @@ async def merged_archive(run_id: str, checkpoint_id: str, request: Request, ctx:
                     headers={"Location": url, "Expires": formatdate(expires, usegmt=True)})
 
 
-def merged_archive_url(ctx: ApiContext, request: Request, tenant: str, ref: CheckpointRef) -> tuple[str, int]:
-    """The API's own signed URL of a merged export's tar (the console links it)."""
-    return signed_url(ctx, request, tenant, "download_merged_archive", _merged_subject(ref, "archive.tar"),
-                      run_id=ref.run_id, kind=ref.kind, name=ref.name)
-
-
 @router.get("/downloads/{run_id}/{kind}/{name}/merged/files/{file_path:path}", name="download_merged_file")
 async def download_merged_file(run_id: str, kind: str, name: str, file_path: str, ctx: Ctx,
                                tenant: str = "", expires: str = "", signature: str = "") -> FileResponse:
     ref = _ref(run_id, kind, name)
-    _signer(ctx).verify(tenant, _merged_subject(ref, file_path), expires, signature)
+    download_signer(ctx).verify(tenant, merged_subject(ref, file_path), expires, signature)
     directory, _ = await asyncio.to_thread(_merged, ctx, tenant, ref)
     return _file_response(directory, file_path, _MERGED_EXCLUDED, f"the merged export of {ref.uri()}")
 
@@ -188,7 +156,7 @@ async def download_merged_file(run_id: str, kind: str, name: str, file_path: str
 async def download_merged_archive(run_id: str, kind: str, name: str, ctx: Ctx,
                                   tenant: str = "", expires: str = "", signature: str = "") -> StreamingResponse:
     ref = _ref(run_id, kind, name)
-    _signer(ctx).verify(tenant, _merged_subject(ref, "archive.tar"), expires, signature)
+    download_signer(ctx).verify(tenant, merged_subject(ref, "archive.tar"), expires, signature)
     directory, _ = await asyncio.to_thread(_merged, ctx, tenant, ref)
     return await _tar_response(directory, f"{ref.name}-merged", _MERGED_EXCLUDED,
                                f"{ref.run_id}-{ref.kind}-{ref.name}-merged.tar")
@@ -198,7 +166,7 @@ async def download_merged_archive(run_id: str, kind: str, name: str, ctx: Ctx,
 async def download_file(run_id: str, kind: str, name: str, file_path: str, ctx: Ctx,
                         tenant: str = "", expires: str = "", signature: str = "") -> FileResponse:
     ref = _ref(run_id, kind, name)
-    _signer(ctx).verify(tenant, f"{ref.uri()}/{file_path}", expires, signature)
+    download_signer(ctx).verify(tenant, f"{ref.uri()}/{file_path}", expires, signature)
     directory = ctx.checkpoints.existing(tenant, ref)
     return _file_response(directory, file_path, _EXCLUDED, f"checkpoint {ref.uri()}")
 
@@ -207,7 +175,7 @@ async def download_file(run_id: str, kind: str, name: str, file_path: str, ctx: 
 async def download_archive(run_id: str, kind: str, name: str, ctx: Ctx,
                            tenant: str = "", expires: str = "", signature: str = "") -> StreamingResponse:
     ref = _ref(run_id, kind, name)
-    _signer(ctx).verify(tenant, f"{ref.uri()}/archive.tar", expires, signature)
+    download_signer(ctx).verify(tenant, f"{ref.uri()}/archive.tar", expires, signature)
     directory = ctx.checkpoints.existing(tenant, ref)
     return await _tar_response(directory, ref.name, _EXCLUDED, f"{ref.run_id}-{ref.kind}-{ref.name}.tar")
 

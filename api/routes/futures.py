@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from api.context import ApiContext
@@ -14,20 +13,18 @@ from api.long_poll import await_future, failed_answer, parked_poll
 from api.reservations import waiting_reason
 from api.schemas import RetrieveFutureBody
 from api.slots import waiting_for_slot
-from api.tinker_codec import encode_forward_backward_output, encode_sample_output
+from api.tinker_codec import (
+    encode_forward_backward_output,
+    encode_sample_output,
+    forward_output_json,
+    sample_output_json,
+)
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.telemetry import link_future
 from twinkle.types import ForwardBackwardOutput, SampleOutput
 
 router = APIRouter()
 PROTOBUF = "application/x-protobuf"
-
-
-async def wait_for_future(ctx: ApiContext, record: FutureRecord, tenant: str, timeout: float) -> FutureRecord:
-    """`record` once terminal or `timeout` passed (see `await_future`)."""
-    if record.state.terminal or timeout <= 0:
-        return record
-    return await await_future(ctx, record.request_id, tenant, timeout)
 
 
 @router.post("/retrieve_future", response_model=None)
@@ -43,13 +40,13 @@ async def retrieve_future(body: RetrieveFutureBody, request: Request, ctx: Ctx, 
     if record.state is FutureStatus.FAILED:
         return failed_answer(record)
     if not record.state.terminal:
-        return await try_again(ctx, record)
+        return await _try_again(ctx, record)
     result = await ctx.store.result(record.request_id)
     wants_proto = PROTOBUF in request.headers.get("accept", "")
-    return render_result(record, result, wants_proto)
+    return _render_result(record, result, wants_proto)
 
 
-async def try_again(ctx: ApiContext, record: FutureRecord) -> dict[str, Any]:
+async def _try_again(ctx: ApiContext, record: FutureRecord) -> dict[str, Any]:
     if record.state is FutureStatus.RUNNING:
         reason = f"running on {record.queue}"
     else:
@@ -68,7 +65,7 @@ async def try_again(ctx: ApiContext, record: FutureRecord) -> dict[str, Any]:
             "queue_state_reason": reason, "status": record.status}
 
 
-def render_result(record: FutureRecord, result: Any, wants_proto: bool) -> Response | dict[str, Any]:
+def _render_result(record: FutureRecord, result: Any, wants_proto: bool) -> Response | dict[str, Any]:
     if isinstance(result, ForwardBackwardOutput):
         if wants_proto:
             return Response(encode_forward_backward_output(result), media_type=PROTOBUF)
@@ -83,30 +80,3 @@ def render_result(record: FutureRecord, result: Any, wants_proto: bool) -> Respo
 
 
 _TYPE_TAGS: dict[str, str] = {Op.SAVE_STATE: "save_weights", Op.LOAD_STATE: "load_weights"}
-
-
-def forward_output_json(out: ForwardBackwardOutput) -> dict[str, Any]:
-    return {
-        "loss_fn_output_type": out.loss_fn_output_type,
-        "loss_fn_outputs": [
-            {name: {"data": np.asarray(a).ravel().tolist(), "dtype": _dtype(a), "shape": list(np.shape(a))}
-             for name, a in outputs.items()}
-            for outputs in out.loss_fn_outputs
-        ],
-        "metrics": out.metrics,
-    }
-
-
-def sample_output_json(out: SampleOutput) -> dict[str, Any]:
-    return {
-        "type": "sample",
-        "sequences": [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason,
-                       **({"topk_logprobs": s.topk_logprobs} if s.topk_logprobs is not None else {})}
-                      for s in out.sequences],
-        "prompt_logprobs": out.prompt_logprobs,
-        "topk_prompt_logprobs": out.topk_prompt_logprobs,
-    }
-
-
-def _dtype(a: Any) -> str:
-    return "int64" if np.issubdtype(np.asarray(a).dtype, np.integer) else "float32"

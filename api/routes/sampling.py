@@ -7,36 +7,17 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from api.context import ApiContext
 from api.deps import Ctx, Policy, Tenant
 from api.provenance import record_sample
 from api.schemas import CreateSamplingSessionBody, SampleBody, checked_new_id
+from api.services.sampling import sampling_target
 from api.tinker_codec import decode_model_input, sampling_params_from_json
-from twinkle.checkpoints import parse_checkpoint_path
 from twinkle.errors import InvalidRequest
 from twinkle.futures import Op
 from twinkle.records import SamplingSessionRecord
 from twinkle.types import SampleRequest, input_length
 
 router = APIRouter()
-
-
-async def sampling_target(ctx: ApiContext, tenant: str, base_model: str | None, model_path: str | None
-                  ) -> tuple[str, str, str | None]:
-    """(served model name, queue, adapter directory) for sampling a base model or a checkpoint."""
-    adapter_dir = None
-    if model_path:
-        ref = parse_checkpoint_path(model_path)
-        adapter_dir = str(ctx.checkpoints.existing(tenant, ref))
-        base_model = base_model or ctx.checkpoints.metadata(tenant, ref).get("base_model")
-    if not base_model:
-        raise InvalidRequest("Sampling needs base_model or model_path.",
-                             hint="Pass the base model name, or a tinker:// sampler checkpoint path.")
-    served = ctx.catalog.find(base_model)
-    queue = served.sample_queue()
-    if queue is None:
-        raise InvalidRequest(f"No pool samples {served.name}.", hint="Configure a sampler or model application.")
-    return served.name, queue, adapter_dir
 
 
 @router.post("/create_sampling_session")

@@ -8,6 +8,7 @@ and key at fault; a result that cannot be encoded raises ValueError, since that 
 from api.tinker_codec.forward_backward_output import encode_forward_backward_output
 from api.tinker_codec.forward_backward_request import ForwardBackwardRequestMeta, decode_forward_backward
 from api.tinker_codec.hyperparameters import adam_params_from_json, sampling_params_from_json
+from api.tinker_codec.json_output import forward_output_json, sample_output_json
 from api.tinker_codec.model_input import decode_model_input
 from api.tinker_codec.sample_output import encode_sample_output
 
@@ -18,5 +19,7 @@ __all__ = [
     "decode_model_input",
     "encode_forward_backward_output",
     "encode_sample_output",
+    "forward_output_json",
+    "sample_output_json",
     "sampling_params_from_json",
 ]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from api.openai.routes import Choice, DeltaText, cut_at_stop
+from api.openai.choices import Choice, cut_at_stop
+from api.openai.streaming import DeltaText
 from twinkle.chat_tokenizer import ChatTokenizer
 
 
