@@ -44,6 +44,7 @@ from api.routes import (
     usage,
 )
 from api.store import Store
+from twinkle import launched_process
 from twinkle.auth import KeyChecker
 from twinkle.catalog import Catalog
 from twinkle.celery_app import make_celery
@@ -51,7 +52,6 @@ from twinkle.checkpoints import CheckpointStore
 from twinkle.export_store import ExportStore
 from twinkle.keys import Keys
 from twinkle.queue_timeouts import QueueTimeoutSweep, timeouts_by_queue
-from twinkle.server import verbosity
 from twinkle.telemetry import setup_api_telemetry
 
 log = logging.getLogger("twinkle.api")
@@ -123,7 +123,7 @@ def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0)
         gc.collect()
         gc.freeze()
         if ctx.auth.dev_mode:
-            said = os.environ.get(verbosity.DEV_MODE_SAID_ENV) == "1"  # by the launcher, on its terminal
+            said = os.environ.get(launched_process.DEV_MODE_SAID_ENV) == "1"  # by the launcher, on its terminal
             log.log(logging.INFO if said else logging.WARNING,
                     "no API keys configured: DEV MODE, every key is accepted as its own tenant")
         yield

@@ -70,3 +70,22 @@ def test_the_boundary_check_sees_an_import_inside_a_function(tmp_path: Path) -> 
     module = tmp_path / "lazy.py"
     module.write_text("def f():\n    from workers.pool import run\n    return run\n")
     assert project_imports(module) == {"workers"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, by its full dotted name."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return found
+
+
+@pytest.mark.parametrize("package", ["api", "workers"])
+def test_launched_processes_share_nothing_with_the_launcher_package_but_its_child_side_module(package: str) -> None:
+    reaching = {(str(path.relative_to(REPO)), module) for path in (REPO / package).rglob("*.py")
+                for module in imported_modules(path)
+                if module == "twinkle.server" or module.startswith("twinkle.server.")}
+    assert reaching == set()  # twinkle/launched_process.py is what they share with their launcher

@@ -20,7 +20,7 @@ from celery.signals import task_received
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from twinkle import liveness
+from twinkle import launched_process, liveness
 from twinkle.backlog import BacklogRelease
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.celery_app import make_celery, task_name
@@ -34,7 +34,6 @@ from twinkle.keys import Keys
 from twinkle.pool_exit import PoolExit
 from twinkle.pool_lease import PoolLease, client_for
 from twinkle.pool_reservation import PoolReservation
-from twinkle.server import startup, verbosity
 from twinkle.task_message import task_message
 from twinkle.telemetry import op_span, setup_worker_telemetry
 from twinkle.types import ModelInfo
@@ -232,7 +231,7 @@ def _liveness(path: str, runtime: PoolRuntime, execution_timeout: float) -> None
 
 def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO") -> None:
     logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    verbosity.quiet_library_warnings()
+    launched_process.quiet_library_warnings()
     config = load_config(config_path)
     app = config.app(app_name)
     url = broker_url_from(config)
@@ -288,7 +287,7 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
                 str(request.kwargs.get("request_id", "")), str(request.kwargs.get("model_id", ""))), weak=False)
     try:
         celery.worker_main([
-            *([] if verbosity.verbose() else ["--quiet"]),  # the banner, unless `launch -v`
+            *([] if launched_process.verbose() else ["--quiet"]),  # the banner, unless `launch -v`
             "worker", *pool, "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",
             "--without-mingle", "--without-gossip", *(["-E"] if config.flower.enabled else []),
             f"--loglevel={loglevel}",
@@ -300,8 +299,8 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
 def _exit_start_failed(queue: str, error: Exception) -> NoReturn:
     """Leave the one-line cause for the launcher and exit with PoolExit.START_FAILED; the traceback only with
     `launch -v` or when run on its own (the same traceback at every retry hides the cause)."""
-    cause = startup.write_cause(error)
-    if verbosity.verbose() or not os.environ.get(startup.ENV):
+    cause = launched_process.write_cause(error)
+    if launched_process.verbose() or not launched_process.started_by_launcher():
         # a pool another worker holds: the line names it, a traceback would only bury it
         log.error("pool %s failed to start: %s", queue, cause,
                   exc_info=None if isinstance(error, PoolLeaseHeld) else error)

@@ -54,7 +54,7 @@ def _aligned(values: Any, n_targets: int, n_inputs: int, name: str) -> np.ndarra
 
 
 def datum_of(feature: dict[str, Any]) -> Datum:
-    from twinkle.server.common import datum_from_input_feature
+    from twinkle.input_feature import datum_from_input_feature
 
     # Vision arrays (pixel_values, image_grid_thw, ...) ride along for the backend's forward.
     arrays = {k: np.asarray(v) for k, v in feature.items()

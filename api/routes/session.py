@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from api.deps import Ctx, Policy, Tenant, get_tenant
 from api.schemas import CreateSessionBody, FinishBody, SessionRef
 from twinkle.futures import Op
-from twinkle.server.readiness import INSTANCE_ENV
+from twinkle.launched_process import INSTANCE_ENV
 
 router = APIRouter()
 

@@ -31,6 +31,7 @@ from twinkle import liveness
 from twinkle.broker import EmbeddedBroker
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.keys import Keys
+from twinkle.launched_process import DEV_MODE_SAID_ENV, INSTANCE_ENV, START_FAILURE_ENV
 from twinkle.pool_exit import exit_reason
 from twinkle.pool_lease import restore_if_vacant
 from twinkle.server import (
@@ -45,7 +46,7 @@ from twinkle.server import (
 )
 from twinkle.server.hang_watch import HangWatch
 from twinkle.server.port_check import port_taken
-from twinkle.server.readiness import INSTANCE_ENV, Readiness, new_instance_id
+from twinkle.server.readiness import Readiness, new_instance_id
 from twinkle.server.startup import StartAttempts
 from twinkle.state.persistence import restore_snapshot, save_snapshot
 from twinkle.telemetry.pool_status import PoolStatusPrinter
@@ -77,7 +78,7 @@ class Child:
             env[liveness.ENV] = self.liveness_file
         if self.attempts is not None:
             self.attempts.started()
-            env[startup.ENV] = str(self.attempts.cause_file)
+            env[START_FAILURE_ENV] = str(self.attempts.cause_file)
         # its own session: a Ctrl-C reaches the launcher alone, which stops the children in order
         self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True, preexec_fn=parent_death.preexec())
         self.proc_started = process_table.started(self.proc.pid) or 0
@@ -340,7 +341,7 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
     if not config.auth.api_keys and not config.auth.keys_file:
         print("[twinkle] WARNING: no API keys configured - DEV MODE: any key is accepted and each distinct "
               "key is its own tenant. Configure auth.api_keys or auth.keys_file for shared servers.", flush=True)
-        os.environ[verbosity.DEV_MODE_SAID_ENV] = "1"
+        os.environ[DEV_MODE_SAID_ENV] = "1"
     snapshot_path = config.persistence.file_path if config.persistence.mode == "file" and only is None else None
     if snapshot_path:
         print(f"[twinkle] restored {restore_snapshot(r, snapshot_path)} durable records from {snapshot_path}",

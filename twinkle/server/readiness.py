@@ -16,8 +16,6 @@ import redis
 
 from twinkle.keys import Keys
 
-INSTANCE_ENV = "TWINKLE_INSTANCE_ID"
-
 
 class Probed(Protocol):
     name: str

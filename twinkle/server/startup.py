@@ -5,33 +5,18 @@ traceback every few seconds and hides the cause. A child that dies before it was
 after a growing pause (a download or a busy device may clear), and after START_ATTEMPTS tries the launcher
 gives up on it with the one-line cause the child left in its cause file.
 
-The child side: a pool worker that cannot start writes `cause` to the file named by $TWINKLE_START_FAILURE_FILE
-and exits with PoolExit.START_FAILED (twinkle/pool_exit.py) instead of printing a traceback.
+The child side (twinkle/launched_process.py): a pool worker that cannot start writes its cause to the file named
+by $TWINKLE_START_FAILURE_FILE and exits with PoolExit.START_FAILED (twinkle/pool_exit.py) instead of printing a
+traceback.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV = "TWINKLE_START_FAILURE_FILE"
 START_ATTEMPTS = 3
 FIRST_PAUSE_SECONDS = 1.0
-
-
-def write_cause(error: BaseException) -> str:
-    """The one-line cause of a failed start, also written to the launcher's cause file when there is one."""
-    text = " ".join(str(error).split()).rstrip(".") or type(error).__name__
-    hint = getattr(error, "hint", None)
-    line = f"{text} ({hint})" if hint and hint not in text else text
-    path = os.environ.get(ENV)
-    if path:
-        try:
-            Path(path).write_text(line, encoding="utf-8")
-        except OSError:
-            pass  # the launcher then reports the exit code alone
-    return line
 
 
 @dataclass

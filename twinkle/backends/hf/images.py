@@ -8,7 +8,7 @@ of the model's image token (one per image feature), plus the processor's arrays 
               expands it into. A client-side `expected_tokens` must equal N: loss_fn_inputs are aligned with
               the full sequence, an image taking N positions.
     Twinkle   an InputFeature from `twinkle.template`: the image tokens are already in the text and the
-              processor's arrays ride in loss_fn_inputs under their own names (`twinkle.server.common`).
+              processor's arrays ride in loss_fn_inputs under their own names (`twinkle.input_feature`).
 
 Vision arrays of a batch are concatenated along their first dimension, in datum order: the model fills the
 image tokens of the flattened batch, row by row, with the features of the images in that order.
