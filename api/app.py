@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio as aioredis
@@ -54,6 +54,9 @@ from twinkle.keys import Keys
 from twinkle.queue_timeouts import QueueTimeoutSweep, timeouts_by_queue
 from twinkle.telemetry import setup_api_telemetry
 
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
+
 log = logging.getLogger("twinkle.api")
 DEFAULT_PREFIX = "/api/v1"
 # Redis runs one command at a time: past a few dozen connections more only cost set-up storms (thousands of
@@ -65,7 +68,7 @@ REDIS_SOCKET_SECONDS = 20.0
 REDIS_POOL_WAIT_SECONDS = 30.0  # past this a request answers 503 (a down broker fails at once, not here)
 
 
-def api_prefix(config: Any) -> str:
+def api_prefix(config: ServerConfig) -> str:
     server = config.server_app()
     return (server.route_prefix if server else DEFAULT_PREFIX).rstrip("/") or DEFAULT_PREFIX
 
@@ -85,7 +88,7 @@ def redis_client(broker_url: str) -> aioredis.Redis:
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))))
 
 
-def build_context(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0) -> ApiContext:
+def build_context(config: ServerConfig, broker_url: str, *, long_poll_seconds: float = 30.0) -> ApiContext:
     r = redis_client(broker_url)
     keys = Keys(config.persistence.key_prefix)
     server = config.server_app()

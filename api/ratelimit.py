@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
@@ -22,6 +22,10 @@ from twinkle.config import QueueConfig
 from twinkle.errors import InvalidRequest, RateLimited
 from twinkle.keys import Keys
 from twinkle.telemetry import record_rate_limit_rejection
+
+if TYPE_CHECKING:
+    from twinkle.config.apps import ModelApp, ProcessorApp, SamplerApp
+    from twinkle.config.server_config import ServerConfig
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,9 @@ class RateLimiter:
         self._peek = r.register_script(_PEEK)
 
     @classmethod
-    def from_config(cls, r: aioredis.Redis, keys: Keys, config: Any, catalog: Catalog) -> RateLimiter:
-        apps = [*config.model_apps(), *config.sampler_apps(), *config.processor_apps()]
+    def from_config(cls, r: aioredis.Redis, keys: Keys, config: ServerConfig, catalog: Catalog) -> RateLimiter:
+        apps: list[ModelApp | SamplerApp | ProcessorApp] = [*config.model_apps(), *config.sampler_apps(),
+                                                            *config.processor_apps()]
         limits = {app.name: app.args.queue_config for app in apps}
         queue_apps: dict[str, str] = {processor_queue(app.name): app.name for app in config.processor_apps()}
         for served in catalog.models.values():

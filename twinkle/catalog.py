@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinkle.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
 
 
 def model_queue(app: str, replica: int = 0) -> str:
@@ -65,7 +68,7 @@ class ServedModel:
 
 
 class Catalog:
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: ServerConfig) -> None:
         self.models: dict[str, ServedModel] = {}
         # pool queue -> the window fair share divides among keys (twinkle.backlog); absent: no backlogs
         self.backlog_windows: dict[str, int] = {}
@@ -84,12 +87,12 @@ class Catalog:
                 self.reserving_queues.update(dict.fromkeys(served.model_queues, served.full_runs))
             if app.args.scheduling.policy == "fair":
                 self.backlog_windows.update(dict.fromkeys(served.model_queues, app.args.scheduling.window))
-        for app in config.sampler_apps():
-            served = self._entry(app.args.model_id, getattr(app.args, "served_model_name", None))
-            served.sampler_app = app.name
-            served.sampler_queue = sampler_queue(app.name)
-            if app.args.scheduling.policy == "fair":
-                self.backlog_windows[served.sampler_queue] = app.args.scheduling.window
+        for sampler in config.sampler_apps():
+            served = self._entry(sampler.args.model_id, getattr(sampler.args, "served_model_name", None))
+            served.sampler_app = sampler.name
+            served.sampler_queue = sampler_queue(sampler.name)
+            if sampler.args.scheduling.policy == "fair":
+                self.backlog_windows[served.sampler_queue] = sampler.args.scheduling.window
 
     def _entry(self, model_id: str, explicit: str | None) -> ServedModel:
         name = served_name(model_id, explicit)

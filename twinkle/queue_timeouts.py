@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -31,6 +31,10 @@ from twinkle.catalog import Catalog
 from twinkle.errors import QueueTimedOut
 from twinkle.keys import Keys
 from twinkle.queued_ops import WAKE_BATCH, WAKE_PAUSE, Failure, QueuedOps
+
+if TYPE_CHECKING:
+    from twinkle.config.apps import ModelApp, SamplerApp
+    from twinkle.config.server_config import ServerConfig
 
 log = logging.getLogger("twinkle.queue_timeouts")
 SWEEP_SECONDS = 1.0
@@ -45,10 +49,11 @@ def queue_timeout_error(op: str, waited: str, queue: str, timeout: float) -> Que
         hint="Submit it again when the server is less busy, or ask the operator to raise queue_config.queue_timeout.")
 
 
-def timeouts_by_queue(config: Any, catalog: Catalog) -> dict[str, float]:
+def timeouts_by_queue(config: ServerConfig, catalog: Catalog) -> dict[str, float]:
     """The queue_timeout of every model and sampler pool queue (processor ops never time out in their queue)."""
     out: dict[str, float] = {}
-    for app in [*config.model_apps(), *config.sampler_apps()]:
+    pools: list[ModelApp | SamplerApp] = [*config.model_apps(), *config.sampler_apps()]
+    for app in pools:
         served = catalog.by_app(app.name)
         if served is None:
             continue

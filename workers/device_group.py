@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -38,6 +38,9 @@ from twinkle.types import ModelInfo
 from workers.factory import on_loopback
 from workers.rank_replica import RankReplica
 
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
+
 log = logging.getLogger("twinkle.device_group")
 PLACEMENT_TIMEOUT_SECONDS = float(os.environ.get("TWINKLE_PLACEMENT_TIMEOUT", "300"))
 # After one rank failed an op, how long the others may take to finish theirs; longer means they are stuck
@@ -45,7 +48,7 @@ PLACEMENT_TIMEOUT_SECONDS = float(os.environ.get("TWINKLE_PLACEMENT_TIMEOUT", "3
 RANK_SETTLE_SECONDS = 60.0
 
 
-def connect(config: Any, *, local_cpus: int) -> None:
+def connect(config: ServerConfig, *, local_cpus: int) -> None:
     """Join the configured Ray cluster, or start a private one on loopback for this process."""
     if ray.is_initialized():
         return
@@ -232,7 +235,7 @@ def exit_for_rank_death(reason: str) -> None:
     os._exit(PoolExit.RANK_DIED)
 
 
-def start_device_group(config: Any, app: Any, label: str,
+def start_device_group(config: ServerConfig, app: Any, label: str,
                        on_death: Callable[[str], None] = exit_for_rank_death) -> tuple[DataParallelBackend,
                                                                                           RankZeroSampler]:
     """The pool's backend and checkpoint sampler on a fresh Ray device group."""

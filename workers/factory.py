@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinkle.backends import BACKENDS, DEFAULT_SAMPLER_FOR_BACKEND, SAMPLERS, resolve
 from twinkle.backends.paging import MIB, PagingBudget
 from twinkle.catalog import strip_scheme
 from twinkle.config.parallelism import needs_ray
+
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
 
 MOCK_DEFAULT_VOCAB = 32000
 # A private Ray instance for one pool: no token auth (a stale ~/.ray token would switch it on), and
@@ -41,7 +44,7 @@ def paging_budget(adapters: Any) -> PagingBudget:
                         directory=adapters.page_dir)
 
 
-def build_model_pool(config: Any, app: Any, replica: int) -> tuple[Any, Any]:
+def build_model_pool(config: ServerConfig, app: Any, replica: int) -> tuple[Any, Any]:
     """A model pool's backend and checkpoint sampler: in this process, or on a Ray device group when the
     pool spans several ranks or the config names a Ray cluster."""
     if needs_ray(config, app.args):

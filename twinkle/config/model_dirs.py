@@ -9,14 +9,17 @@ Relative paths start from the directory the command runs in, as the pools resolv
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinkle.config.problems import Problem
+
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
 
 _LOCAL_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")
 
 
-def model_dir_problems(config: Any, only_name: str | None = None) -> list[Problem]:
+def model_dir_problems(config: ServerConfig, only_name: str | None = None) -> list[Problem]:
     """One problem per model or sampler application whose model directory is missing or is no model."""
     problems = []
     for index, app in enumerate(config.applications):

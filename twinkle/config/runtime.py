@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING
 
 from twinkle.config.parallelism import needs_ray
 
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
 
-def runtime_problems(config: Any, only_name: str | None = None) -> list[str]:
+
+def runtime_problems(config: ServerConfig, only_name: str | None = None) -> list[str]:
     from twinkle.backends.megatron.requirements import megatron_requirements_problem
     from twinkle.samplers.vllm_sampler import vllm_requirements_problem
 

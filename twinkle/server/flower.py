@@ -12,16 +12,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from twinkle.celery_app import make_celery
 from twinkle.config import load_config
+
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
 
 # kwargs carry the request id and the model id; args are always empty and results live in Twinkle's futures.
 TASK_COLUMNS = "name,uuid,state,kwargs,received,started,runtime,worker"
 
 
-def flower_argv(config: Any) -> list[str]:
+def flower_argv(config: ServerConfig) -> list[str]:
     """The `celery flower` arguments for this config."""
     argv = ["flower", f"--port={config.flower.port}", f"--address={config.http_options.host}",
             f"--tasks_columns={TASK_COLUMNS}", "--enable_events=True"]
@@ -30,7 +33,7 @@ def flower_argv(config: Any) -> list[str]:
     return argv
 
 
-def flower_env(config: Any) -> dict[str, str]:
+def flower_env(config: ServerConfig) -> dict[str, str]:
     """Flower serves its REST API without credentials only when told to; do so only when no auth is set."""
     return {} if config.flower.basic_auth else {"FLOWER_UNAUTHENTICATED_API": "true"}
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -50,6 +50,9 @@ from twinkle.server.readiness import Readiness, new_instance_id
 from twinkle.server.startup import StartAttempts
 from twinkle.state.persistence import restore_snapshot, save_snapshot
 from twinkle.telemetry.pool_status import PoolStatusPrinter
+
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
 
 log = logging.getLogger("twinkle.launcher")
 STOP_GRACE_SECONDS = 20.0
@@ -97,7 +100,7 @@ class Child:
         return launch_record.ChildRecord(self.name, self.pid() or 0, self.proc_started, self.queue or "")
 
 
-def plan_children(config_path: str, config: Any, only: str | None, only_name: str | None,
+def plan_children(config_path: str, config: ServerConfig, only: str | None, only_name: str | None,
                   replicas: list[int] | None = None) -> list[Child]:
     """The children of a launch; `replicas` picks the replicas of the `only_name` pool (default: all)."""
     py = sys.executable
@@ -114,16 +117,18 @@ def plan_children(config_path: str, config: Any, only: str | None, only_name: st
                 children.append(Child(f"worker {app.name}#{replica}", [py, "-m", "workers", "-c", config_path,
                                       "--app", app.name, "--replica", str(replica)],
                                       queue=model_queue(app.name, replica), env=_app_env(app)))
-        for app in config.sampler_apps():
-            if only_name and app.name != only_name:
+        for sampler in config.sampler_apps():
+            if only_name and sampler.name != only_name:
                 continue
-            children.append(Child(f"worker {app.name}", [py, "-m", "workers", "-c", config_path, "--app", app.name],
-                                  queue=sampler_queue(app.name), env=_app_env(app)))
-        for app in config.processor_apps():
-            if only_name and app.name != only_name:
+            children.append(Child(f"worker {sampler.name}", [py, "-m", "workers", "-c", config_path, "--app",
+                                                             sampler.name],
+                                  queue=sampler_queue(sampler.name), env=_app_env(sampler)))
+        for processor in config.processor_apps():
+            if only_name and processor.name != only_name:
                 continue
-            children.append(Child(f"worker {app.name}", [py, "-m", "workers", "-c", config_path, "--app", app.name],
-                                  queue=processor_queue(app.name), env=_app_env(app)))
+            children.append(Child(f"worker {processor.name}", [py, "-m", "workers", "-c", config_path, "--app",
+                                                               processor.name],
+                                  queue=processor_queue(processor.name), env=_app_env(processor)))
     if only == "flower" or (only is None and config.flower.enabled):
         children.append(Child("flower", [py, "-m", "twinkle.server.flower", "-c", config_path]))
     return children
@@ -295,7 +300,7 @@ def wait_until_ready(sup: Supervisor, readiness: Readiness, stop: dict[str, bool
     return "stopped"
 
 
-def launch(config_path: str, config: Any, only: str | None = None, only_name: str | None = None,
+def launch(config_path: str, config: ServerConfig, only: str | None = None, only_name: str | None = None,
            namespace: str = "twinkle_cluster", verbose: bool = False, replicas: list[int] | None = None) -> int:
     """Run the launch until it is stopped; `config.http_options` is where the API listens (the CLI's --host and
     --port already applied) and `replicas` the replicas of the `only_name` pool to start (default: all)."""
@@ -394,8 +399,8 @@ def launch(config_path: str, config: Any, only: str | None = None, only_name: st
     return 0
 
 
-def _record_of(config_path: str, config: Any, only: str | None, only_name: str | None, replicas: list[int] | None,
-               url: str, children: list[Child]) -> launch_record.LaunchRecord:
+def _record_of(config_path: str, config: ServerConfig, only: str | None, only_name: str | None,
+               replicas: list[int] | None, url: str, children: list[Child]) -> launch_record.LaunchRecord:
     """This launch's record before any child runs: what it will run, for finding the predecessors it replaces."""
     api = only in (None, "api")
     pool = next((app for app in config.applications if app.name == only_name), None)

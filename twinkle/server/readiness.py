@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 
 from twinkle.keys import Keys
+
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
 
 
 class Probed(Protocol):
@@ -32,7 +35,7 @@ def new_instance_id() -> str:
 
 
 class Readiness:
-    def __init__(self, config: Any, r: redis.Redis, keys: Keys, instance: str) -> None:
+    def __init__(self, config: ServerConfig, r: redis.Redis, keys: Keys, instance: str) -> None:
         host = config.http_options.host
         local = "127.0.0.1" if host in ("0.0.0.0", "", None) else "::1" if host == "::" else host
         server = config.server_app()

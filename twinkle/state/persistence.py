@@ -14,16 +14,19 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from twinkle.keys import Keys
 
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
+
 DURABLE_PATTERNS = ("model:*", "run:*", "owner:*:runs", "owner:*:sampling", "sampling:*", "usage:*")
 
 
-def state_url(config: Any, broker_url: str | None = None) -> str:
+def state_url(config: ServerConfig, broker_url: str | None = None) -> str:
     if config.persistence.mode == "redis" and config.persistence.redis_url:
         return str(config.persistence.redis_url)
     url = broker_url or os.environ.get("TWINKLE_BROKER_URL") or config.broker.url
@@ -84,7 +87,7 @@ def restore_snapshot(r: redis.Redis, path: str | Path) -> int:
     return len(data)
 
 
-def clear_persistence(config: Any, broker_url: str | None = None) -> int:
+def clear_persistence(config: ServerConfig, broker_url: str | None = None) -> int:
     """Remove exactly Twinkle's keys (and the snapshot file in file mode); returns keys removed. `broker_url`:
     the running launch's embedded broker, for a config that names none."""
     keys = Keys(config.persistence.key_prefix)

@@ -17,12 +17,15 @@ import logging
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinkle.telemetry import naming
 from twinkle.telemetry.celery_tracing import instrument_celery
 from twinkle.telemetry.instruments import Instruments, instruments
 from twinkle.telemetry.pipeline import ensure_pipeline
+
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
 
 log = logging.getLogger("twinkle.telemetry")
 SECRET_HEADERS = ["x-api-key", "authorization", "cookie", "set-cookie", "proxy-authorization"]
@@ -45,7 +48,7 @@ _state: GatewayTelemetry | None = None
 _request: ContextVar[RequestInfo | None] = ContextVar("twinkle_request_info", default=None)
 
 
-def setup_api_telemetry(app: Any, config: Any) -> None:
+def setup_api_telemetry(app: Any, config: ServerConfig) -> None:
     """Trace and measure the FastAPI `app`; does nothing (and imports nothing) unless telemetry is enabled."""
     global _state
     if not config.telemetry.enabled:

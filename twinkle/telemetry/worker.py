@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis
@@ -29,6 +29,9 @@ from twinkle.telemetry.celery_tracing import instrument_celery
 from twinkle.telemetry.instruments import Instruments, instruments
 from twinkle.telemetry.leader import CleanupLeader, ServerGauges
 from twinkle.telemetry.pipeline import current_pipeline, ensure_pipeline
+
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
 
 log = logging.getLogger("twinkle.telemetry")
 _NO_SPAN = contextlib.nullcontext()
@@ -48,7 +51,7 @@ class WorkerTelemetry:
 _state: WorkerTelemetry | None = None
 
 
-def setup_worker_telemetry(config: Any, role: str, celery_app: Any) -> None:
+def setup_worker_telemetry(config: ServerConfig, role: str, celery_app: Any) -> None:
     """Trace and measure the pool `role` (an application name) served by `celery_app`; a no-op unless
     telemetry is enabled."""
     if not config.telemetry.enabled:
@@ -67,7 +70,7 @@ def setup_worker_telemetry(config: Any, role: str, celery_app: Any) -> None:
     _start(config, app, celery_app, lead=True)
 
 
-def _start(config: Any, app: Any, celery_app: Any, *, lead: bool) -> None:
+def _start(config: ServerConfig, app: Any, celery_app: Any, *, lead: bool) -> None:
     global _state
     pipeline = ensure_pipeline(config.telemetry, app.name)
     instrument_celery(pipeline)
