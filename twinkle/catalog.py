@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from twinkle.errors import InvalidRequest
 
 if TYPE_CHECKING:
+    from twinkle.config.apps import ModelApp
     from twinkle.config.server_config import ServerConfig
 
 
@@ -117,7 +118,7 @@ class Catalog:
         return next((m for m in self.models.values() if app_name in (m.model_app, m.sampler_app)), None)
 
 
-def _replicas(app: Any) -> int:
+def _replicas(app: ModelApp) -> int:
     for deployment in app.deployments or []:
         scaling = getattr(deployment, "autoscaling_config", None)
         if scaling is not None:

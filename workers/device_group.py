@@ -39,6 +39,8 @@ from workers.factory import on_loopback
 from workers.rank_replica import RankReplica
 
 if TYPE_CHECKING:
+    from twinkle.config.apps import ModelApp
+    from twinkle.config.args import ModelArgs
     from twinkle.config.server_config import ServerConfig
 
 log = logging.getLogger("twinkle.device_group")
@@ -99,7 +101,7 @@ def actor_options_for(bundle: dict[str, float]) -> dict[str, Any]:
     return options
 
 
-def rank_actor_options(app: Any) -> RayActorOptions | None:
+def rank_actor_options(app: ModelApp) -> RayActorOptions | None:
     """The first deployment's `ray_actor_options`, where the config sets any."""
     for deployment in app.deployments or []:
         if deployment.ray_actor_options.model_fields_set:
@@ -136,7 +138,7 @@ class RayDeviceGroup:
         return len(self.actors)
 
     @classmethod
-    def start(cls, args: Any, label: str, env_vars: dict[str, str],
+    def start(cls, args: ModelArgs, label: str, env_vars: dict[str, str],
               on_death: Callable[[str], None], actor_options: RayActorOptions | None = None) -> RayDeviceGroup:
         ranks = device_group_size(args.device_mesh)
         device_type = args.device_group.device_type
@@ -235,7 +237,7 @@ def exit_for_rank_death(reason: str) -> None:
     os._exit(PoolExit.RANK_DIED)
 
 
-def start_device_group(config: ServerConfig, app: Any, label: str,
+def start_device_group(config: ServerConfig, app: ModelApp, label: str,
                        on_death: Callable[[str], None] = exit_for_rank_death) -> tuple[DataParallelBackend,
                                                                                           RankZeroSampler]:
     """The pool's backend and checkpoint sampler on a fresh Ray device group."""
@@ -249,7 +251,7 @@ def start_device_group(config: ServerConfig, app: Any, label: str,
     return backend, RankZeroSampler(group, group.info)
 
 
-def _actor_env(app: Any) -> dict[str, str]:
+def _actor_env(app: ModelApp) -> dict[str, str]:
     """What rank actors need from the pool's environment: the app's runtime_env and Twinkle's settings
     (on a joined cluster actors do not inherit the worker's environment)."""
     env = {key: value for key, value in os.environ.items() if key.startswith("TWINKLE_")}

@@ -11,6 +11,8 @@ from twinkle.catalog import strip_scheme
 from twinkle.config.parallelism import needs_ray
 
 if TYPE_CHECKING:
+    from twinkle.config.apps import ModelApp
+    from twinkle.config.args import ModelArgs
     from twinkle.config.server_config import ServerConfig
 
 MOCK_DEFAULT_VOCAB = 32000
@@ -25,7 +27,7 @@ def _mock_source(model_id: str) -> str | int:
     return path if os.path.isdir(path) else MOCK_DEFAULT_VOCAB
 
 
-def build_model_backend(args: Any, sampler_factory: Any = None) -> Any:
+def build_model_backend(args: ModelArgs, sampler_factory: Any = None) -> Any:
     cls = resolve(BACKENDS, args.backend, "backend")
     max_loras = args.adapter_config.max_loras
     if args.backend == "mock":
@@ -44,7 +46,7 @@ def paging_budget(adapters: Any) -> PagingBudget:
                         directory=adapters.page_dir)
 
 
-def build_model_pool(config: ServerConfig, app: Any, replica: int) -> tuple[Any, Any]:
+def build_model_pool(config: ServerConfig, app: ModelApp, replica: int) -> tuple[Any, Any]:
     """A model pool's backend and checkpoint sampler: in this process, or on a Ray device group when the
     pool spans several ranks or the config names a Ray cluster."""
     if needs_ray(config, app.args):
@@ -64,7 +66,7 @@ def on_loopback(address: str | None) -> bool:
     return host in ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
-def build_backend_and_sampler(args: Any) -> tuple[Any, Any]:
+def build_backend_and_sampler(args: ModelArgs) -> tuple[Any, Any]:
     """One backend replica and the sampler it serves sampler checkpoints with."""
     holder: dict[str, Any] = {}  # megatron samples in memory through the pool's sampler, built next
     backend = build_model_backend(args, sampler_factory=lambda: holder["sampler"])
@@ -82,7 +84,7 @@ def build_sampler(model_id: str, sampler_type: str, *, max_loras: int = 4, torch
     return cls(model_id, max_loras=max_loras, torch_dtype=torch_dtype)
 
 
-def build_pool_sampler(args: Any, backend: Any) -> Any:
+def build_pool_sampler(args: ModelArgs, backend: Any) -> Any:
     """The sampler a model pool uses for sampler checkpoints; shares the backend's model when it can."""
     sampler_type = sampler_type_for_model_pool(args)
     if sampler_type == "torch" and args.backend == "transformers":
@@ -93,5 +95,5 @@ def build_pool_sampler(args: Any, backend: Any) -> Any:
                          torch_dtype=args.torch_dtype)
 
 
-def sampler_type_for_model_pool(args: Any) -> str:
+def sampler_type_for_model_pool(args: ModelArgs) -> str:
     return getattr(args, "sampler_type", None) or DEFAULT_SAMPLER_FOR_BACKEND.get(args.backend, "torch")

@@ -4,12 +4,13 @@ so that one pool's replicas can run on different nodes (each replica consumes it
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+
+from twinkle.config.apps import Application, ModelApp
 
 
-def replica_count(app: Any) -> int:
+def replica_count(app: Application) -> int:
     """How many replicas the pool runs: a model app's `min_replicas` (Twinkle does not autoscale); others one."""
-    if getattr(app, "import_path", None) != "model":
+    if not isinstance(app, ModelApp):
         return 1
     for deployment in app.deployments or []:
         if deployment.autoscaling_config is not None:
@@ -17,12 +18,12 @@ def replica_count(app: Any) -> int:
     return 1
 
 
-def chosen(app: Any, replicas: Sequence[int] | None) -> list[int]:
+def chosen(app: Application, replicas: Sequence[int] | None) -> list[int]:
     """The replicas of `app` to start: `replicas` (validated by `problem`), or all of them when None."""
     return sorted(set(replicas)) if replicas else list(range(replica_count(app)))
 
 
-def problem(app: Any, replicas: Sequence[int]) -> str | None:
+def problem(app: Application, replicas: Sequence[int]) -> str | None:
     """Why `replicas` cannot be started for `app`, or None."""
     count = replica_count(app)
     wrong = sorted({i for i in replicas if not 0 <= i < count})
