@@ -72,6 +72,13 @@ def in_process_step_ms(model_dir: Path, steps: int, batch: int = BATCH) -> float
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     some = token_rows(model.config.vocab_size)
     rows = torch.tensor([some[i % len(some)] for i in range(batch)])
+    return timed_steps_ms(model, optimizer, rows, steps)
+
+
+def timed_steps_ms(model: Any, optimizer: Any, rows: Any, steps: int) -> float:
+    """Median ms of an in-process step (forward, summed cross-entropy, backward, AdamW) after 3 warm-ups."""
+    import torch
+
     inputs, labels = rows[:, :-1], rows[:, 1:]
     times = []
     for i in range(steps + 3):
@@ -114,19 +121,7 @@ def in_process_full_step_ms(model_dir: Path, steps: int) -> float:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
     rows = torch.tensor(token_rows(model.config.vocab_size))
-    inputs, labels = rows[:, :-1], rows[:, 1:]
-    times = []
-    for i in range(steps + 3):
-        started = time.perf_counter()
-        logits = model(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                 reduction="sum")
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if i >= 3:
-            times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+    return timed_steps_ms(model, optimizer, rows, steps)
 
 
 def full_rows(work: Path, threads: str, steps: int) -> None:
