@@ -89,3 +89,36 @@ def test_launched_processes_share_nothing_with_the_launcher_package_but_its_chil
                 for module in imported_modules(path)
                 if module == "twinkle.server" or module.startswith("twinkle.server.")}
     assert reaching == set()  # twinkle/launched_process.py is what they share with their launcher
+
+
+# What a recipe may use: the client, the local data library, and the two entry points the product documents
+# at the package root (`from twinkle import init_tinker_client`, `from twinkle import get_logger`).
+COOKBOOK_MODULES = ("twinkle_client", "twinkle.dataset", "twinkle.dataloader", "twinkle.preprocessor",
+                    "twinkle.template", "twinkle.data_format", "twinkle.input_feature")
+COOKBOOK_ROOT_NAMES = {"twinkle.init_tinker_client", "twinkle.get_logger"}
+PROJECT_PACKAGES = {"twinkle", "twinkle_client", "api", "workers", "tests", "bench"}
+
+
+def cookbook_reaches(path: Path) -> set[str]:
+    """The project modules (or, from the package root, the names) a recipe imports that it may not."""
+    beyond: set[str] = set()
+    for module in imported_modules(path):
+        if module.split(".")[0] not in PROJECT_PACKAGES or module == "twinkle":
+            continue
+        if module not in COOKBOOK_ROOT_NAMES and not any(
+                module == prefix or module.startswith(prefix + ".") for prefix in COOKBOOK_MODULES):
+            beyond.add(module)
+    return beyond
+
+
+def test_the_cookbook_imports_only_the_client_and_the_data_library() -> None:
+    reaching = {(str(path.relative_to(REPO)), module) for path in (REPO / "cookbook").rglob("*.py")
+                for module in cookbook_reaches(path)}
+    assert reaching == set()
+
+
+def test_the_cookbook_check_sees_a_server_internal(tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text("def main():\n    from twinkle.server.common import input_feature_to_datum\n"
+                      "    from twinkle import init_tinker_client\n")
+    assert cookbook_reaches(recipe) == {"twinkle.server.common", "twinkle.server.common.input_feature_to_datum"}
