@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 import redis.asyncio as aioredis
@@ -111,7 +111,7 @@ def build_context(config: ServerConfig, broker_url: str, *, long_poll_seconds: f
                       tinker_client_config=json.loads(os.environ.get("TWINKLE_TINKER_CLIENT_CONFIG") or "{}"))
 
 
-def create_app(config: Any, broker_url: str, *, long_poll_seconds: float = 30.0) -> FastAPI:
+def create_app(config: ServerConfig, broker_url: str, *, long_poll_seconds: float = 30.0) -> FastAPI:
     ctx = build_context(config, broker_url, long_poll_seconds=long_poll_seconds)
 
     @asynccontextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.checkpoint_writes import CheckpointWrites
 from api.hub import FutureHub
@@ -19,12 +19,15 @@ from twinkle.download_urls import DownloadSigner
 from twinkle.export_store import ExportStore
 from twinkle.keys import Keys
 
+if TYPE_CHECKING:
+    from twinkle.config.server_config import ServerConfig
+
 MODEL_INFO_SECONDS = 1.0  # how long a pool's published model info is reused before it is read again
 
 
 @dataclass
 class ApiContext:
-    config: Any
+    config: ServerConfig
     store: Store
     hub: FutureHub
     catalog: Catalog

@@ -20,11 +20,14 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from twinkle.checkpoints import MERGED_RECORD, METADATA_FILE, CheckpointRef
 from twinkle.errors import ExportStoreFailure, NotFound
 from twinkle.tar_stream import TarStream
+
+if TYPE_CHECKING:
+    from twinkle.config.models import ExportStoreConfig
 
 ARCHIVE = "archive.tar"
 PART_BYTES = 16 << 20  # multipart part size; at most `_CONCURRENCY` parts are in memory at once
@@ -32,7 +35,7 @@ _CONCURRENCY = 4
 
 
 class ExportStore:
-    def __init__(self, config: Any, ttl_seconds: int, *, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, config: ExportStoreConfig, ttl_seconds: int, *, env: Mapping[str, str] | None = None) -> None:
         import boto3  # deferred: only servers that configure a store need boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config

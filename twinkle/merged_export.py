@@ -20,11 +20,14 @@ is `twinkle.backends.hf.merge`.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from twinkle.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from twinkle.config.export import ExportConfig
 
 FORMAT = "twinkle-merged-1"  # a record of another format is made again (a fixed merge is not kept failing)
 PROBE_ROWS = 2
@@ -60,7 +63,7 @@ def check(diff: float, tolerance: float) -> dict[str, Any]:
     return {"status": VERIFIED if diff <= tolerance else FAILED, "max_abs_diff": diff}
 
 
-def tolerance_for(config: Any, *, pool_dtype: str, export_dtype: str) -> float:
+def tolerance_for(config: ExportConfig, *, pool_dtype: str, export_dtype: str) -> float:
     """`tolerance` when the pool computes and the export stores float32; `tolerance_16bit` otherwise (16-bit
     rounding alone moves logprobs by about 1e-2, so there the check catches gross errors only)."""
     if pool_dtype == "float32" and export_dtype == "float32":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from twinkle.config.apps import Application
+from twinkle.config.apps import Application, ModelApp, SamplerApp
 from twinkle.config.parallelism import needs_ray
 from twinkle.config.server_config import ServerConfig
 
@@ -49,11 +49,11 @@ def _app_notes(config: ServerConfig, app: Application, where: str) -> list[str]:
         if _set(scaling, "target_ongoing_requests"):
             notes.append(f"{at}.autoscaling_config.target_ongoing_requests: {NO_EFFECT}: Twinkle does not "
                          "autoscale; the replica count is min_replicas")
-        if _set(deployment, "max_ongoing_requests") and app.import_path != "sampler":
+        if _set(deployment, "max_ongoing_requests") and not isinstance(app, SamplerApp):
             notes.append(f"{at}.max_ongoing_requests: {NO_EFFECT} on a {app.import_path} application: "
                          + _ongoing_reason(app.import_path))
         options = deployment.ray_actor_options
-        if options.model_fields_set and not (app.import_path == "model" and needs_ray(config, args)):
+        if options.model_fields_set and not (isinstance(app, ModelApp) and needs_ray(config, app.args)):
             notes.append(f"{at}.ray_actor_options: {NO_EFFECT} here: this {app.import_path} application runs "
                          "in its own process, not in Ray actors (only model pools on a Ray device group use them)")
         env = deployment.runtime_env

@@ -9,8 +9,10 @@ Relative paths start from the directory the command runs in, as the pools resolv
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from twinkle.config.apps import ModelApp, SamplerApp
+from twinkle.config.args import ModelArgs, SamplerArgs
 from twinkle.config.problems import Problem
 
 if TYPE_CHECKING:
@@ -23,17 +25,18 @@ def model_dir_problems(config: ServerConfig, only_name: str | None = None) -> li
     """One problem per model or sampler application whose model directory is missing or is no model."""
     problems = []
     for index, app in enumerate(config.applications):
-        if app.import_path not in ("model", "sampler") or only_name not in (None, app.name):
+        if not isinstance(app, ModelApp | SamplerApp) or only_name not in (None, app.name):
             continue
-        problem = _problem(str(app.args.model_id), _is_mock(app.args))
+        problem = _problem(str(app.args.model_id), is_mock(app.args))
         if problem is not None:
             message, hint = problem
             problems.append(Problem(f"applications[{index}].args.model_id", message, hint))
     return problems
 
 
-def _is_mock(args: Any) -> bool:
-    return "mock" in (getattr(args, "backend", None), getattr(args, "sampler_type", None))
+def is_mock(args: ModelArgs | SamplerArgs) -> bool:
+    """Whether the pool serves the mock backend, whose model ids need no directory."""
+    return "mock" in ((args.backend, args.sampler_type) if isinstance(args, ModelArgs) else (args.sampler_type,))
 
 
 def _problem(model_id: str, mock: bool) -> tuple[str, str] | None:

@@ -8,11 +8,12 @@ only along the tensor dimension.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from twinkle.config.devices import DeviceMesh
 
 if TYPE_CHECKING:
+    from twinkle.config.args import ModelArgs
     from twinkle.config.server_config import ServerConfig
 
 # backend -> the mesh dimensions (besides dp) it can split the model along
@@ -52,7 +53,7 @@ def device_group_size(mesh: DeviceMesh) -> int:
     return mesh.world_size
 
 
-def needs_ray(config: ServerConfig, args: Any) -> bool:
+def needs_ray(config: ServerConfig, args: ModelArgs) -> bool:
     """A model pool runs on a Ray device group when it spans several ranks or the config names a Ray
     cluster; otherwise it stays in its worker process and Ray is never started."""
     return device_group_size(args.device_mesh) > 1 or bool(config.ray.address)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
+from twinkle.config.apps import ModelApp, SamplerApp
 from twinkle.config.parallelism import needs_ray
 
 if TYPE_CHECKING:
@@ -18,15 +19,15 @@ def runtime_problems(config: ServerConfig, only_name: str | None = None) -> list
     wanted = [app for app in (*config.model_apps(), *config.sampler_apps()) if only_name in (None, app.name)]
     problems = []
     for app in wanted:
-        if getattr(app.args, "backend", None) == "megatron":
+        if isinstance(app, ModelApp) and app.args.backend == "megatron":
             problem = megatron_requirements_problem()
-        elif getattr(app.args, "sampler_type", None) == "vllm" and app.import_path == "sampler":
+        elif isinstance(app, SamplerApp) and app.args.sampler_type == "vllm":
             problem = vllm_requirements_problem()
         else:
             problem = None
         if problem is not None:
             problems.append(f"{app.name}: {problem}")
-        if app.import_path == "model" and needs_ray(config, app.args) and importlib.util.find_spec("ray") is None:
+        if isinstance(app, ModelApp) and needs_ray(config, app.args) and importlib.util.find_spec("ray") is None:
             problems.append(f"{app.name}: its device group needs Ray, which is not installed "
                             "(pip install 'twinkle[ray]')")
     return problems

@@ -280,7 +280,9 @@ def _parse_only(parser: argparse.ArgumentParser, words: list[str] | None) -> tup
 
 def _check_worker_name(parser: argparse.ArgumentParser, config: ServerConfig, name: str) -> None:
     """Refuse before launching anything when NAME is not a worker pool of this config."""
-    pools = [app.name for app in config.applications if app.import_path != "server"]
+    from twinkle.config.apps import ServerApp
+
+    pools = [app.name for app in config.applications if not isinstance(app, ServerApp)]
     if name in pools:
         return
     if any(app.name == name for app in config.applications):

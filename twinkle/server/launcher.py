@@ -30,6 +30,8 @@ import redis
 from twinkle import liveness
 from twinkle.broker import EmbeddedBroker
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
+from twinkle.config.apps import ModelApp, SamplerApp
+from twinkle.config.model_dirs import is_mock
 from twinkle.keys import Keys
 from twinkle.launched_process import DEV_MODE_SAID_ENV, INSTANCE_ENV, START_FAILURE_ENV
 from twinkle.pool_exit import exit_reason
@@ -52,6 +54,7 @@ from twinkle.state.persistence import restore_snapshot, save_snapshot
 from twinkle.telemetry.pool_status import PoolStatusPrinter
 
 if TYPE_CHECKING:
+    from twinkle.config.apps import Application
     from twinkle.config.server_config import ServerConfig
 
 log = logging.getLogger("twinkle.launcher")
@@ -134,9 +137,9 @@ def plan_children(config_path: str, config: ServerConfig, only: str | None, only
     return children
 
 
-def _app_env(app: Any) -> dict[str, str]:
+def _app_env(app: Application) -> dict[str, str]:
     env: dict[str, str] = {}
-    if getattr(app.args, "backend", None) == "mock" or getattr(app.args, "sampler_type", None) == "mock":
+    if isinstance(app, ModelApp | SamplerApp) and is_mock(app.args):
         # the mock's small matrices run slower with BLAS threads fighting the API for the cores
         env["OPENBLAS_NUM_THREADS"] = os.environ.get("OPENBLAS_NUM_THREADS", "1")
     for deployment in app.deployments or []:

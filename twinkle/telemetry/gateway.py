@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import MutableMapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,9 @@ from twinkle.telemetry.instruments import Instruments, instruments
 from twinkle.telemetry.pipeline import ensure_pipeline
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.types import ASGIApp, Receive, Send
+
     from twinkle.config.server_config import ServerConfig
 
 log = logging.getLogger("twinkle.telemetry")
@@ -48,7 +52,7 @@ _state: GatewayTelemetry | None = None
 _request: ContextVar[RequestInfo | None] = ContextVar("twinkle_request_info", default=None)
 
 
-def setup_api_telemetry(app: Any, config: ServerConfig) -> None:
+def setup_api_telemetry(app: FastAPI, config: ServerConfig) -> None:
     """Trace and measure the FastAPI `app`; does nothing (and imports nothing) unless telemetry is enabled."""
     global _state
     if not config.telemetry.enabled:
@@ -80,10 +84,10 @@ def _name_gateway_span(span: Any, scope: dict[str, Any]) -> None:
 class GatewayMetricsMiddleware:
     """Counts and times every HTTP request by deployment, route template and status code."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         state = _state
         if state is None or scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -93,7 +97,7 @@ class GatewayMetricsMiddleware:
         scope.setdefault("state", {})  # created here, shared by the handler's scope copies: it holds the tenant
         status = 500  # what the client gets if the app fails before answering
 
-        async def send_and_note_status(message: dict[str, Any]) -> None:
+        async def send_and_note_status(message: MutableMapping[str, Any]) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])

@@ -13,9 +13,12 @@ import os
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinkle.errors import UserError
+
+if TYPE_CHECKING:
+    from twinkle.config.models import TelemetryConfig
 
 log = logging.getLogger("twinkle.telemetry")
 INSTRUMENTATION_SCOPE = "twinkle"
@@ -63,7 +66,7 @@ def current_pipeline() -> Pipeline | None:
     return _current
 
 
-def ensure_pipeline(config: Any, role: str) -> Pipeline:
+def ensure_pipeline(config: TelemetryConfig, role: str) -> Pipeline:
     """The process's pipeline, built from the `telemetry` config section on first use."""
     global _current
     with _lock:
@@ -73,7 +76,7 @@ def ensure_pipeline(config: Any, role: str) -> Pipeline:
         return _current
 
 
-def _build(config: Any, role: str) -> Pipeline:
+def _build(config: TelemetryConfig, role: str) -> Pipeline:
     try:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader

@@ -23,6 +23,7 @@ import numpy as np
 import redis
 
 from twinkle.catalog import Catalog, processor_queue
+from twinkle.config.apps import Application, ProcessorApp
 from twinkle.keys import Keys
 from twinkle.telemetry import naming
 from twinkle.telemetry.celery_tracing import instrument_celery
@@ -31,6 +32,8 @@ from twinkle.telemetry.leader import CleanupLeader, ServerGauges
 from twinkle.telemetry.pipeline import current_pipeline, ensure_pipeline
 
 if TYPE_CHECKING:
+    from celery import Celery
+
     from twinkle.config.server_config import ServerConfig
 
 log = logging.getLogger("twinkle.telemetry")
@@ -51,13 +54,13 @@ class WorkerTelemetry:
 _state: WorkerTelemetry | None = None
 
 
-def setup_worker_telemetry(config: ServerConfig, role: str, celery_app: Any) -> None:
+def setup_worker_telemetry(config: ServerConfig, role: str, celery_app: Celery) -> None:
     """Trace and measure the pool `role` (an application name) served by `celery_app`; a no-op unless
     telemetry is enabled."""
     if not config.telemetry.enabled:
         return
     app = config.app(role)
-    if app.import_path == "processor":
+    if isinstance(app, ProcessorApp):
         # A prefork pool runs ops in child processes: exporter threads and gRPC channels must be made
         # after the fork, in each child.
         from celery import signals
@@ -70,7 +73,7 @@ def setup_worker_telemetry(config: ServerConfig, role: str, celery_app: Any) -> 
     _start(config, app, celery_app, lead=True)
 
 
-def _start(config: ServerConfig, app: Any, celery_app: Any, *, lead: bool) -> None:
+def _start(config: ServerConfig, app: Application, celery_app: Celery, *, lead: bool) -> None:
     global _state
     pipeline = ensure_pipeline(config.telemetry, app.name)
     instrument_celery(pipeline)
