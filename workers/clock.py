@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinkle.backends.base import FusedPasses
+from twinkle.backends.base import FusedPasses, ResidentSlots
 from twinkle.futures import FutureRecord, Op
 from twinkle.types import ForwardBackwardInput, input_length
 from workers.fair_share import FairShare, op_cost
@@ -101,7 +101,7 @@ class FusedRunner:
         fused: list[Job] = []
         alone: list[Job] = []
         # A pass needs all its adapters on the device at once: at most the backend's slots of them.
-        slots = getattr(getattr(self.backend, "tenants", None), "max_loras", None) or len(jobs)
+        slots = self.backend.resident_slots if isinstance(self.backend, ResidentSlots) else len(jobs)
         adapters: set[str] = set()
         for job in jobs:
             adapter = job.rec.model_id

@@ -96,4 +96,4 @@ def build_pool_sampler(args: ModelArgs, backend: Any) -> Any:
 
 
 def sampler_type_for_model_pool(args: ModelArgs) -> str:
-    return getattr(args, "sampler_type", None) or DEFAULT_SAMPLER_FOR_BACKEND.get(args.backend, "torch")
+    return args.sampler_type or DEFAULT_SAMPLER_FOR_BACKEND.get(args.backend, "torch")

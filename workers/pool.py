@@ -21,6 +21,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from twinkle import launched_process, liveness
+from twinkle.backends.base import ComputeDtype
 from twinkle.backlog import BacklogRelease
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.celery_app import make_celery, task_name
@@ -93,9 +94,9 @@ def _model_runtime(config: ServerConfig, app: ModelApp, replica: int, queue: str
     log.info("pool %s: loading %s", queue, args.model_id)
     started = time.perf_counter()
     backend, sampler = build_model_pool(config, app, replica)  # in process, or on a Ray device group
+    dtype = backend.compute_dtype if isinstance(backend, ComputeDtype) else args.torch_dtype
     model_handlers = ModelPoolHandlers(backend, sampler, CheckpointStore(config.storage.checkpoint_dir), r, keys,
-                                       queue, exports=ExportSettings(
-        args.backend, args.model_id, args.export, getattr(backend, "compute_dtype", None) or args.torch_dtype))
+                                       queue, exports=ExportSettings(args.backend, args.model_id, args.export, dtype))
     runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=config.storage.future_ttl_seconds,
                           has_adapter=backend.has_adapter, queue_timeout=args.queue_config.queue_timeout, lease=lease)
     if args.clock.enabled or args.scheduling.policy == "fair":
@@ -168,7 +169,7 @@ def _announce_lora_modules(runtime: PoolRuntime, key: str, holder: Any) -> None:
 def sampler_slots(app: SamplerApp) -> int:
     """How many sample requests a sampler pool batches together: vLLM's `max_num_seqs`, else the deployment's
     `max_ongoing_requests` (the seed's name for what one replica handles at once), else 16."""
-    engine = getattr(app.args, "engine_args", None) or {}
+    engine: dict[str, Any] = dict(app.args.engine_args)  # max_num_seqs passes through, undeclared
     ongoing = next((d.max_ongoing_requests for d in app.deployments or [] if d.max_ongoing_requests), None)
     return int(engine.get("max_num_seqs") or ongoing or 16)
 

@@ -104,6 +104,21 @@ def test_ready_compute_ops_of_different_adapters_share_one_pass_in_arrival_order
     assert h.clock.fused_ops == 3
 
 
+class TwoSlotBackend(RecordingBackend):
+    resident_slots = 2
+
+
+def test_a_pass_takes_no_more_adapters_than_the_backend_holds_at_once() -> None:
+    h = Harness()
+    h.backend = TwoSlotBackend()
+    h.clock.fuser = FusedRunner(h.backend)
+    with h.running():
+        for adapter in "abc":
+            h.submit(Op.FORWARD_BACKWARD, adapter, batch())
+    assert ("fused", "a", "b") in h.backend.log and ("fused", "a", "b", "c") not in h.backend.log
+    assert ("forward_backward", "c") in h.backend.log or ("fused", "c") in h.backend.log
+
+
 def test_one_adapters_ops_never_pass_each_other() -> None:
     h = Harness()
     with h.running():

@@ -96,6 +96,22 @@ class GradientSync(Protocol):
 
 
 @runtime_checkable
+class ResidentSlots(Protocol):
+    """Holds at most `resident_slots` adapters on the device at once, so a fused pass takes no more (workers.clock)."""
+
+    @property
+    def resident_slots(self) -> int: ...
+
+
+@runtime_checkable
+class ComputeDtype(Protocol):
+    """Computes in a dtype of its own (`float32`, `bfloat16`, ...), which a merged export is checked against."""
+
+    @property
+    def compute_dtype(self) -> str: ...
+
+
+@runtime_checkable
 class PagedAdapters(Protocol):
     """Holds some adapters in device slots and pages the others out (backends.paging)."""
 

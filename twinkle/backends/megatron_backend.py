@@ -126,6 +126,10 @@ class MegatronBackend:
         self._sampler_factory = sampler_factory
         self._sampler: SamplerBackend | None = None
 
+    @property
+    def resident_slots(self) -> int:
+        return self.tenants.max_loras
+
     def _seed_megatron_rng(self) -> None:
         if self.device.type == "cpu":
             from twinkle.backends.megatron import cpu_support

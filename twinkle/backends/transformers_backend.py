@@ -84,6 +84,10 @@ class TransformersBackend:
         return self.shared.base.device
 
     @property
+    def resident_slots(self) -> int:
+        return self.tenants.max_loras
+
+    @property
     def compute_dtype(self) -> str:
         """The dtype the base model computes in (`float32`, `bfloat16`, ...)."""
         return str(self.shared.base.model.dtype).removeprefix("torch.")
