@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     from tinker import ServiceClient, types
 
     from twinkle.dataset import Dataset, DatasetMeta
-    from twinkle.preprocessor import DPOProcessor
     from twinkle.input_feature import input_feature_to_datum
+    from twinkle.preprocessor import DPOProcessor
 
     service = ServiceClient(base_url=cfg.base_url, api_key=cfg.api_key)
     training = service.create_lora_training_client(base_model=cfg.base_model, rank=cfg.rank).result()

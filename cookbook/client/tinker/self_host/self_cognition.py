@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None, defaults: Config | None = None) -> None:
     from twinkle.data_format import Message, Trajectory
     from twinkle.dataloader import DataLoader
     from twinkle.dataset import Dataset, DatasetMeta
-    from twinkle.preprocessor import SelfCognitionProcessor
     from twinkle.input_feature import input_feature_to_datum
+    from twinkle.preprocessor import SelfCognitionProcessor
     from twinkle.template import Template
 
     service = ServiceClient(base_url=cfg.base_url, api_key=cfg.api_key)
