@@ -10,12 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
-import redis
-import redis.asyncio as aioredis
 from fastapi import FastAPI
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from api import errors
 from api.access_log import AccessLog
@@ -28,8 +23,11 @@ from api.hub import FutureHub
 from api.key_share import KeyShare
 from api.long_poll import LongPolls
 from api.openai import routes as openai_routes
+from api.pool_state import PoolState
 from api.quotas import QuotaGate
 from api.ratelimit import RateLimiter
+from api.redis_client import blocking_client, redis_client
+from api.responses.errors import ERROR_RESPONSES, OPENAI_ERROR_RESPONSES
 from api.routes import (
     downloads,
     exports,
@@ -43,7 +41,9 @@ from api.routes import (
     twinkle,
     usage,
 )
+from api.stability_records import StabilityRecords
 from api.store import Store
+from api.usage_history import UsageHistory
 from twinkle import launched_process
 from twinkle.auth import KeyChecker
 from twinkle.catalog import Catalog
@@ -59,33 +59,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("twinkle.api")
 DEFAULT_PREFIX = "/api/v1"
-# Redis runs one command at a time: past a few dozen connections more only cost set-up storms (thousands of
-# long-polls waking at once opened hundreds, and connects timed out); requests queue for one instead.
-REDIS_CONNECTIONS = 128
-# redis-py's default of 5 s counts time the event loop spends on other requests: thousands of long-polls waking
-# at once made healthy connects "time out". A stopped or refused broker still fails at once.
-REDIS_SOCKET_SECONDS = 20.0
-REDIS_POOL_WAIT_SECONDS = 30.0  # past this a request answers 503 (a down broker fails at once, not here)
 
 
 def api_prefix(config: ServerConfig) -> str:
     server = config.server_app()
     return (server.route_prefix if server else DEFAULT_PREFIX).rstrip("/") or DEFAULT_PREFIX
-
-
-def redis_client(broker_url: str) -> aioredis.Redis:
-    """The API's pooled Redis client.
-
-    A request waits for a free connection (never "too many connections"); parked long-polls hold none. After a
-    broker restart a pooled connection can look alive until the event loop reads its EOF, so the first command
-    on it fails with "Connection closed by server": each command is retried once, on a fresh connection. A
-    broker that is really down refuses that connect at once, so it still answers 503 without delay. Timeouts
-    are not retried (that would double the wait on a broker that hangs).
-    """
-    return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-        broker_url, max_connections=REDIS_CONNECTIONS, timeout=REDIS_POOL_WAIT_SECONDS, health_check_interval=25,
-        socket_timeout=REDIS_SOCKET_SECONDS, socket_connect_timeout=REDIS_SOCKET_SECONDS,
-        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))))
 
 
 def build_context(config: ServerConfig, broker_url: str, *, long_poll_seconds: float = 30.0) -> ApiContext:
@@ -104,6 +82,8 @@ def build_context(config: ServerConfig, broker_url: str, *, long_poll_seconds: f
     return ApiContext(config=config, store=store, hub=FutureHub(r, keys), catalog=catalog, keys=keys, auth=auth,
                       checkpoints=CheckpointStore(config.storage.checkpoint_dir),
                       limiter=RateLimiter.from_config(r, keys, config, catalog), quotas=QuotaGate(r, keys),
+                      pools=PoolState(r, keys), stability=StabilityRecords(r, keys),
+                      usage_history=UsageHistory(r, keys),
                       writes=CheckpointWrites(r, keys, per_key=config.storage.checkpoint_writes_per_key,
                                               future_ttl=config.storage.future_ttl_seconds),
                       export_store=ExportStore.from_storage(config.storage),
@@ -119,8 +99,8 @@ def create_app(config: ServerConfig, broker_url: str, *, long_poll_seconds: floa
         await ctx.store.refresh_broker_identity()
         await ctx.hub.start()
         # ops past their queue_timeout fail while still queued, behind a frozen worker too (one API process a round)
-        sweeping = QueueTimeoutSweep(redis.Redis.from_url(broker_url, socket_timeout=REDIS_SOCKET_SECONDS), ctx.keys,
-                                     ctx.store.lost.queue_timeouts, ttl=config.storage.future_ttl_seconds).start()
+        sweeping = QueueTimeoutSweep(blocking_client(broker_url), ctx.keys, ctx.store.lost.queue_timeouts,
+                                     ttl=config.storage.future_ttl_seconds).start()
         # What start-up built lives as long as the process: out of the collector's sight, a full collection
         # scans only what requests made (tens of ms less per pass under load).
         gc.collect()
@@ -132,9 +112,10 @@ def create_app(config: ServerConfig, broker_url: str, *, long_poll_seconds: floa
         yield
         sweeping.set()
         await ctx.hub.close()
-        await ctx.store.r.aclose()
+        await ctx.store.close()
 
     app = FastAPI(title="Twinkle", version="0.1.0", lifespan=lifespan, default_response_class=FiniteJSONResponse,
+                  responses=ERROR_RESPONSES,
                   description="Training as a service: many LoRA adapters on one base model.")
     app.state.ctx = ctx
     errors.install(app)
@@ -143,7 +124,8 @@ def create_app(config: ServerConfig, broker_url: str, *, long_poll_seconds: floa
     for module in (futures, training, sampling, session, rest, exports, imports, downloads, tokenizer, twinkle,
                    usage):
         app.include_router(module.router, prefix=prefix)
-    app.include_router(openai_routes.router)  # /v1/...: where OpenAI clients look, whatever the prefix
+    # /v1/...: where OpenAI clients look, whatever the prefix; its errors in OpenAI's shape
+    app.include_router(openai_routes.router, responses=OPENAI_ERROR_RESPONSES)
     app.include_router(console_routes.router)  # /console
     setup_api_telemetry(app, config)
     # innermost: parks retrieve_future polls after the body checks, before the framework builds a request

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from api.checkpoint_writes import CheckpointWrites
 from api.hub import FutureHub
+from api.pool_state import PoolState
 from api.quotas import QuotaGate
 from api.ratelimit import RateLimiter
+from api.stability_records import StabilityRecords
 from api.store import Store
+from api.usage_history import UsageHistory
 from twinkle.auth import KeyChecker
 from twinkle.catalog import Catalog, ServedModel
 from twinkle.checkpoints import CheckpointStore
@@ -36,6 +38,9 @@ class ApiContext:
     checkpoints: CheckpointStore
     limiter: RateLimiter
     quotas: QuotaGate
+    pools: PoolState  # what the pools publish and hold
+    stability: StabilityRecords  # sample requests recorded for stable_reinforce
+    usage_history: UsageHistory  # the usage ledger, for reports
     long_poll_seconds: float = 30.0
     max_request_bytes: int = 64 << 20
     tinker_client_config: dict[str, Any] = field(default_factory=dict)
@@ -57,10 +62,9 @@ class ApiContext:
         cached = self._model_infos.get(app)
         if cached is not None and now - cached[0] < MODEL_INFO_SECONDS:
             return cached[1]
-        raw = await self.store.r.get(self.keys.pool_info(app))
-        if not raw:
+        info = await self.pools.model_info(app)
+        if info is None:
             return None  # no pool has started yet: ask again next time
-        info: dict[str, Any] = json.loads(raw)
         self._model_infos[app] = (now, info)
         return info
 

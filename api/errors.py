@@ -7,12 +7,12 @@ import logging
 import math
 import uuid
 
-import redis.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.redis_client import BROKER_ERRORS
 from api.tarpit import Tarpit
 from api.unsupported import describe_missing_route
 from twinkle.checkpoints import storage_failure
@@ -57,12 +57,13 @@ def install(app: FastAPI) -> None:
             exc.details["retry_after"] = await tarpit.refuse(tenant, float(exc.details.get("retry_after", 1)))
         return error_response(request, exc)
 
-    @app.exception_handler(redis.exceptions.ConnectionError)
-    @app.exception_handler(redis.exceptions.TimeoutError)
     async def _broker_down(request: Request, exc: Exception) -> JSONResponse:
         log.warning("broker unreachable in %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         return error_response(request, BrokerUnavailable(
             "The server's queue (Redis) is unreachable.", hint="Retry in a few seconds."))
+
+    for broker_error in BROKER_ERRORS:
+        app.add_exception_handler(broker_error, _broker_down)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -23,8 +23,8 @@ from collections import defaultdict
 
 import redis.asyncio as aioredis
 
-from twinkle.futures import FutureStatus
 from twinkle.keys import Keys
+from twinkle.ledger import AsyncLedger, lifecycle
 
 log = logging.getLogger("twinkle.api.hub")
 RECHECK_SECONDS = 5.0  # batched re-read of every parked waiter, in case a message was lost
@@ -87,7 +87,7 @@ class FutureHub:
         self._recheck_now = asyncio.Event()
         self.subscribed = asyncio.Event()  # set while Redis has confirmed the pattern subscription
         self.reconnects = 0
-        self._to_wake = r.register_script(_TO_WAKE)
+        self._ledger = AsyncLedger(r)
 
     @property
     def pending(self) -> int:
@@ -191,24 +191,8 @@ class FutureHub:
         woken = 0
         for start in range(0, len(ids), READ_BATCH):
             batch = ids[start:start + READ_BATCH]
-            for index in await self._to_wake(keys=[self._keys.future(rid) for rid in batch],
-                                             args=[run_id, FutureStatus.COMPLETED.value, FutureStatus.FAILED.value]):
-                self._wake(batch[int(index) - 1])
+            for index in await self._ledger.run(lifecycle.to_wake(self._keys, batch, run_id)):
+                self._wake(batch[index])
                 woken += 1
         return woken
 
-
-# KEYS: future records. ARGV: the broker's run_id now, then the terminal statuses. Returns the (1-based) positions
-# of the records that ended, vanished, or were written under another broker run.
-_TO_WAKE = """
-local woken = {}
-for i, key in ipairs(KEYS) do
-  local fields = redis.call('HMGET', key, 'status', 'broker_run_id')
-  local status, run = fields[1], fields[2]
-  if not status or status == ARGV[2] or status == ARGV[3]
-      or (run and run ~= '' and ARGV[1] ~= '' and run ~= ARGV[1]) then
-    woken[#woken + 1] = i
-  end
-end
-return woken
-"""

@@ -17,17 +17,14 @@ worker's consumer popped it into its socket) while its worker is not yet replace
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import redis.asyncio as aioredis
 
-from twinkle.backlog import BacklogKeys
-from twinkle.broker import UNACKED, handover_key
 from twinkle.futures import FutureRecord, FutureStatus
 from twinkle.keys import Keys
+from twinkle.ledger import AsyncLedger, lifecycle, messages, queued
 from twinkle.queue_timeouts import MARGIN_SECONDS, queue_timeout_error
-from twinkle.queued_ops import FAIL_QUEUED, Failure, fail_arguments
 
 RECHECK_SECONDS = 0.5
 LOST_ERROR = ("The server's queue (Redis) restarted and lost this request before it ran. Submit it again; "
@@ -36,10 +33,8 @@ LOST_ERROR = ("The server's queue (Redis) restarted and lost this request before
 
 class LostFutures:
     def __init__(self, r: aioredis.Redis, keys: Keys) -> None:
-        self.r = r
+        self.ledger = AsyncLedger(r)
         self.keys = keys
-        self._fail_script = r.register_script(_FAIL_IF_UNCHANGED)
-        self._fail_queued = r.register_script(FAIL_QUEUED)
         self.queue_timeouts: dict[str, float] = {}  # pool queue -> its queue_timeout (absent or 0: forever)
 
     async def check(self, record: FutureRecord, broker_run_id: str, *, broker_started_at: float = 0.0
@@ -59,8 +54,7 @@ class LostFutures:
         if not record.broker_run_id or not broker_run_id or record.broker_run_id == broker_run_id:
             if record.state is not FutureStatus.QUEUED:
                 return record
-            raw_beat = await self.r.get(self.keys.pool_heartbeat(record.queue))
-            since = float(json.loads(raw_beat).get("since", 0)) if raw_beat else 0.0
+            since = float((await self.ledger.run(messages.heartbeat(self.keys, record.queue))).get("since", 0))
             if not since or record.created_at >= since:
                 return record  # its worker was already running when it was submitted
             broker_run_id = record.broker_run_id or broker_run_id
@@ -70,14 +64,13 @@ class LostFutures:
             if found is None:
                 return record  # cannot tell yet (the pool is restarting); ask again on the next poll
             if found:
-                await self.r.eval(_ADOPT, 1, self.keys.future(record.request_id), broker_run_id)
+                await self.ledger.run(lifecycle.adopt(self.keys, record.request_id, broker_run_id))
                 return record
             if attempt == 0:
                 await asyncio.sleep(RECHECK_SECONDS)
-                raw = await self.r.hgetall(self.keys.future(record.request_id))
-                if not raw:
+                fresh = await self.ledger.run(lifecycle.read(self.keys, record.request_id))
+                if fresh is None:
                     return record
-                fresh = FutureRecord.from_hash(raw)
                 if fresh.status != record.status:
                     return fresh  # it moved on (a worker took it, or it finished)
         return await self._fail(record)
@@ -89,40 +82,24 @@ class LostFutures:
     async def _time_out(self, record: FutureRecord) -> FutureRecord:
         timeout = self.queue_timeouts[record.queue]
         error = queue_timeout_error("{op}", "{waited}", record.queue, timeout)  # filled in by the script
-        keys, args = fail_arguments(self.keys, [record.request_id], Failure(str(error), error.code, error.category),
-                                    created_before=time.time() - timeout - MARGIN_SECONDS)
-        await self._fail_queued(keys=keys, args=args)
-        raw = await self.r.hgetall(self.keys.future(record.request_id))
-        return FutureRecord.from_hash(raw) if raw else record
+        await self.ledger.run(queued.fail_queued(self.keys, [record.request_id], error=str(error), code=error.code,
+                                                 category=error.category,
+                                                 created_before=time.time() - timeout - MARGIN_SECONDS))
+        return await self.ledger.run(lifecycle.read(self.keys, record.request_id)) or record
 
     async def _message_found(self, record: FutureRecord, broker_started_at: float = 0.0) -> bool | None:
-        needle = record.request_id.encode()
-        queued = []
-        if record.state is FutureStatus.QUEUED:  # in its queue, or popped and not yet recorded (workers/handover.py)
-            queued = [*await self.r.lrange(record.queue, 0, -1),
-                      *await self.r.lrange(handover_key(record.queue), 0, -1)]
-        if any(needle in raw for raw in queued):
+        # queued: in its queue, popped and not yet recorded (workers/handover.py), parked in its key's backlog
+        # (twinkle.backlog) or behind a full-parameter run's hold of the pool (twinkle.pool_reservation); or delivered
+        seen = await self.ledger.run(messages.sighting(self.keys, record))
+        if seen.waiting or seen.delivered:
             return True
-        if record.state is FutureStatus.QUEUED:  # parked in its key's backlog, not yet sent (twinkle.backlog)
-            parked: list[bytes] = await self.r.lrange(  # type: ignore[assignment]
-                BacklogKeys(self.keys).parked(record.queue, record.owner), 0, -1)
-            if any(raw.startswith(needle + b" ") for raw in parked):
-                return True
-            # waiting out a full-parameter run's hold of the pool (twinkle.pool_reservation)
-            if await self.r.lpos(self.keys.reservation_parked_ids(record.queue), record.request_id) is not None:
-                return True
-        if any(needle in raw for raw in await self.r.hvals(UNACKED)):
-            return True
+        beat = seen.beat
         if record.state is FutureStatus.RUNNING:
-            raw_beat = await self.r.get(self.keys.pool_heartbeat(record.queue))
-            beat = json.loads(raw_beat) if raw_beat else {}
             if float(beat.get("t", 0)) <= record.started_at:
                 return None  # no heartbeat since the op started: its worker may not have reported it yet
             # a clock cycle runs several ops at once; `current` names one, `held` all of them
             return beat.get("current") == record.request_id or record.request_id in beat.get("held", ())
         if broker_started_at:
-            raw_beat = await self.r.get(self.keys.pool_heartbeat(record.queue))
-            beat = json.loads(raw_beat) if raw_beat else {}
             if float(beat.get("t", 0)) <= broker_started_at:
                 return None  # its worker has not reported to this broker yet: it may hold the message
             return record.request_id in beat.get("held", ())
@@ -130,30 +107,9 @@ class LostFutures:
 
     async def _fail(self, record: FutureRecord) -> FutureRecord:
         now = time.time()
-        key = self.keys.future(record.request_id)
-        failed = await self._fail_script(
-            keys=[key], args=[record.status, record.broker_run_id, now, LOST_ERROR, self.keys.done_channel(
-                record.request_id)])
-        if not failed:
-            raw = await self.r.hgetall(key)
-            return FutureRecord.from_hash(raw) if raw else record
+        if not await self.ledger.run(lifecycle.fail_if_unchanged(self.keys, record, LOST_ERROR, now)):
+            return await self.ledger.run(lifecycle.read(self.keys, record.request_id)) or record
         record.status, record.error, record.finished_at = FutureStatus.FAILED, LOST_ERROR, now
         record.category, record.code = "server", "request_lost"
         return record
 
-
-# KEYS: future. ARGV: broker run_id. Only an existing record adopts it (never create a partial hash).
-_ADOPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'broker_run_id', ARGV[1]) end
-return 1
-"""
-
-# KEYS: future. ARGV: expected status, expected run_id, now, error, done channel.
-_FAIL_IF_UNCHANGED = """
-local current = redis.call('HMGET', KEYS[1], 'status', 'broker_run_id')
-if current[1] ~= ARGV[1] or current[2] ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[4], 'category', 'server',
-           'code', 'request_lost', 'finished_at', ARGV[3])
-redis.call('PUBLISH', ARGV[5], 'failed')
-return 1
-"""

@@ -7,24 +7,25 @@ trained on for one day after sampling, each training request that uses one resta
 loss trains sampled tokens only, so positions that came from a prompt carry a zero advantage.
 
 Twinkle records per sample request the owner, the prompt length and the number of sequences
-(`sequence_id` is `<request_id>:<index>`), under a key that expires after a day. The loss itself reads the
-datum's own sampling `logprobs` (see twinkle.losses); these checks make a batch that Tinker would refuse
-fail here too, with every problem listed.
+(`sequence_id` is `<request_id>:<index>`), under a key that expires after a day (api/stability_records.py).
+The loss itself reads the datum's own sampling `logprobs` (see twinkle.losses); these checks make a batch that
+Tinker would refuse fail here too, with every problem listed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from twinkle.errors import InvalidRequest
-from twinkle.keys import Keys
 from twinkle.types import Datum
 
-RECORD_TTL_SECONDS = 86400  # "can be trained on for one day after sampling"
+if TYPE_CHECKING:
+    from api.stability_records import StabilityRecords
+
 _MAX_LISTED_PROBLEMS = 10
 
 
@@ -54,27 +55,15 @@ def spans_from_proto(messages: Any, where: str) -> tuple[Span, ...] | None:
     return tuple(spans) or None
 
 
-async def record_sample(r: Any, keys: Keys, request_id: str, owner: str, prompt_tokens: int, samples: int) -> None:
-    """Remember a sample request made with `record_stability_info=True`."""
-    key = keys.stability(request_id)
-    await r.hset(key, mapping={"owner": owner, "prompt_tokens": prompt_tokens, "samples": samples})
-    await r.expire(key, RECORD_TTL_SECONDS)
-
-
-async def check_provenance(r: Any, keys: Keys, owner: str, data: Sequence[Datum],
+async def check_provenance(records: StabilityRecords, owner: str, data: Sequence[Datum],
                            spans: Sequence[tuple[Span, ...] | None]) -> None:
     """Raise one InvalidRequest listing every provenance problem of a stable_reinforce batch; on success
     restart the day of every recorded sample the batch uses."""
     request_ids = sorted({_request_id(s.sequence_id) for datum_spans in spans for s in datum_spans or ()})
-    records: dict[str, dict[bytes, bytes]] = {}
-    if request_ids:
-        pipe = r.pipeline(transaction=False)
-        for request_id in request_ids:
-            pipe.hgetall(keys.stability(request_id))
-        records = dict(zip(request_ids, await pipe.execute(), strict=True))
+    found = await records.read(request_ids) if request_ids else {}
     problems: list[str] = []
     for index, (datum, datum_spans) in enumerate(zip(data, spans, strict=True)):
-        problems.extend(f"data[{index}]: {p}" for p in _datum_problems(datum, datum_spans, records, owner))
+        problems.extend(f"data[{index}]: {p}" for p in _datum_problems(datum, datum_spans, found, owner))
     if problems:
         listed = problems[:_MAX_LISTED_PROBLEMS]
         more = f"; and {len(problems) - len(listed)} more" if len(problems) > len(listed) else ""
@@ -84,10 +73,7 @@ async def check_provenance(r: Any, keys: Keys, owner: str, data: Sequence[Datum]
                  "info=True)), annotate each datum with Datum.with_provenance naming each SampledSequence."
                  "sequence_id, and train within a day; or use another loss_fn.",
             problems=len(problems))
-    pipe = r.pipeline(transaction=False)
-    for request_id in request_ids:
-        pipe.expire(keys.stability(request_id), RECORD_TTL_SECONDS)
-    await pipe.execute()
+    await records.renew(request_ids)
 
 
 def _request_id(sequence_id: str) -> str:

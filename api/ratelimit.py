@@ -134,6 +134,15 @@ class RateLimiter:
             return f"this API key is over its limit of {config.tps_limit:g} input tokens/s on {app}"
         return None
 
+    async def window_use(self, owner: str, app: str, requests: Window, tokens: Window,
+                         now_ms: float) -> tuple[int, int]:
+        """The requests and the input tokens `owner` spent on `app` within each window up to `now_ms`."""
+        used = await self.r.zcount(self.keys.rate_window(owner, app, "requests"), f"({now_ms - requests.ms}", "+inf")
+        entries = await self.r.zrangebyscore(self.keys.rate_window(owner, app, "tokens"),
+                                             f"({now_ms - tokens.ms}", "+inf")
+        spent = sum(int((e.decode() if isinstance(e, bytes) else str(e)).rpartition(":")[2] or 0) for e in entries)
+        return int(used), spent
+
     async def _count(self, app: str, reason: str) -> None:
         record_rate_limit_rejection(app, reason)
         await self.r.hincrby(self.keys.rate_rejections(), f"{app}:{reason}", 1)

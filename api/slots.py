@@ -16,11 +16,8 @@ async def waiting_for_slot(ctx: ApiContext, record: FutureRecord) -> str | None:
     slots = ctx.catalog.slots(record.queue)
     if record.state is not FutureStatus.QUEUED or not record.model_id or slots <= 0:
         return None
-    pipe = ctx.store.r.pipeline(transaction=False)
-    pipe.sismember(ctx.keys.pool_adapters(record.queue), record.model_id)
-    pipe.scard(ctx.keys.pool_adapters(record.queue))
-    resident, used = await pipe.execute()
-    if resident or int(used) < slots:
+    resident, used = await ctx.pools.slot_use(record.queue, record.model_id)
+    if resident or used < slots:
         return None
     return (f"all {slots} LoRA slots of {record.queue} hold other adapters; this model is paged in "
             "when its turn comes")

@@ -24,6 +24,7 @@ from twinkle.celery_app import task_name
 from twinkle.errors import AdapterGone, BrokerUnavailable, Expired, LimitExceeded, NotFound
 from twinkle.futures import FutureRecord, FutureStatus, new_request_id, request_id_created_at
 from twinkle.keys import Keys
+from twinkle.ledger import AsyncLedger, lifecycle
 from twinkle.records import ModelRecord, SamplingSessionRecord, SessionRecord
 from twinkle.task_message import task_message
 from twinkle.telemetry import submit_trace
@@ -63,8 +64,7 @@ class Store:
         self._identity_checked = 0.0
         self._identity_refresh: asyncio.Future[None] | None = None
         self.lost = LostFutures(r, keys)
-        self._submit_script = r.register_script(_SUBMIT)
-        self._submit_and_send_script = r.register_script(_SUBMIT_AND_SEND)
+        self.ledger = AsyncLedger(r)  # the futures' lifecycle (twinkle.ledger)
         self.backlog = BacklogKeys(keys)
         self.backlog_windows = backlog_windows or {}  # queues whose keys' ops beyond their share wait parked
         self._admit_script = r.register_script(ADMIT)
@@ -107,21 +107,13 @@ class Store:
                               seq_id=-1 if seq_id is None else seq_id, created_at=time.time(),
                               broker_run_id=self.broker_run_id, weight=weight,
                               trace=submit_trace(request_id, op, model_id, queue, scope))
-        fields = [str(x) for kv in record.to_hash().items() for x in kv]
-        submit_keys = [dedupe_key or self.keys.future(request_id), self.keys.queue_tickets(queue),
-                       self.keys.future(request_id), self.keys.blob_in(request_id),
-                       self.keys.model(model_id) if model_id else "", self.keys.owner_futures(owner)]
-        submit_args: list[str | bytes | int | float] = [request_id, self.future_ttl, blobs.dumps(payload), time.time(),
-                                                         int(bool(dedupe_key)), *fields]
         if self.direct_send:
-            winner = await self._submit_and_send_script(
-                keys=[*submit_keys, *self.backlog.of(queue, owner), queue],
-                args=[len(submit_args), *submit_args, owner, request_id, op, model_id,
-                      self.backlog_windows.get(queue, 0), MIN_SHARE, self.future_ttl, time.time(),
-                      task_message(self.celery, op, request_id, model_id, queue)])
-            return winner.decode() if isinstance(winner, bytes) else str(winner)
-        winner = await self._submit_script(keys=submit_keys, args=submit_args)
-        winner = winner.decode() if isinstance(winner, bytes) else str(winner)
+            return await self.ledger.run(lifecycle.submit_and_send(
+                self.keys, record, blobs.dumps(payload), dedupe_key=dedupe_key, ttl=self.future_ttl,
+                backlog=self.backlog.of(queue, owner), window=self.backlog_windows.get(queue, 0),
+                message=task_message(self.celery, op, request_id, model_id, queue)))
+        winner = await self.ledger.run(lifecycle.submit(self.keys, record, blobs.dumps(payload),
+                                                        dedupe_key=dedupe_key, ttl=self.future_ttl))
         if winner != request_id:
             return winner  # a retried submit: the first one's future, run once
         if not await self._admit(request_id, op, owner, model_id, queue):
@@ -130,10 +122,8 @@ class Store:
             await asyncio.to_thread(self.celery.send_task, task_name(op), kwargs={
                 "request_id": request_id, "model_id": model_id}, queue=queue, task_id=request_id)
         except Exception as exc:
-            await self.r.delete(self.keys.future(request_id), self.keys.blob_in(request_id))
-            await self.r.zrem(self.backlog.sent(queue, owner), request_id)
-            if seq_id is not None and scope:
-                await self.r.delete(self.keys.dedupe(scope, seq_id))
+            await self.ledger.run(lifecycle.withdraw(self.keys, request_id, sent_key=self.backlog.sent(queue, owner),
+                                                     dedupe_key=dedupe_key))
             raise BrokerUnavailable("The job queue is unreachable.", hint="Retry in a few seconds.") from exc
         return request_id
 
@@ -149,12 +139,8 @@ class Store:
     async def future(self, request_id: str, owner: str) -> FutureRecord:
         """The caller's future record. A completed one's result is read in the same round trip and kept for the
         `result` call that follows (a long-poll woken by its future's end answers with one read, not two)."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hgetall(self.keys.future(request_id))
-        pipe.get(self.keys.blob_out(request_id))
-        raw, out = await pipe.execute()
-        if raw:
-            record = FutureRecord.from_hash(raw)
+        record, out = await self.ledger.run(lifecycle.read_with_result(self.keys, request_id))
+        if record is not None:
             if record.owner == owner:
                 if record.state.terminal:
                     if out is not None and record.state is FutureStatus.COMPLETED:
@@ -183,14 +169,13 @@ class Store:
     async def result(self, request_id: str) -> Any:
         data: bytes | str | None = self._results_read.pop(request_id, None)
         if data is None:
-            data = await self.r.get(self.keys.blob_out(request_id))
+            data = await self.ledger.run(lifecycle.result(self.keys, request_id))
         if data is None:
             raise Expired(f"The result of {request_id} is no longer available.", hint="Submit the request again.")
         return blobs.loads(data if isinstance(data, bytes) else data.encode())
 
     async def queue_position(self, record: FutureRecord) -> int:
-        started = await self.r.get(self.keys.queue_started(record.queue))
-        return max(0, record.ticket - int(started or 0) - 1)
+        return await self.ledger.run(lifecycle.queue_position(self.keys, record))
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -316,52 +301,105 @@ class Store:
                            hint="Create a sampling client first.")
         return SamplingSessionRecord.from_hash(raw)
 
+    # -- runs' records and checkpoint indexes, beyond the owner's view -------------------------
 
-# One round trip per submit: dedupe on (scope, seq_id), take a queue ticket, store the payload and the
-# future record, and list it among its owner's latest 200 requests (the console's op list).
-# A re-sent script (redis-py sends it once more when the reply was lost) finds its future and changes nothing.
-# KEYS: dedupe (or any key when there is no seq_id), tickets, future, blob_in, model ("" = none), owner's futures.
-# ARGV: request_id, ttl, payload, now, has_dedupe, then the record's field/value pairs.
-_SUBMIT = """
-if redis.call('EXISTS', KEYS[3]) == 1 then return ARGV[1] end
-if ARGV[5] == '1' then
-  local previous = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2], 'GET')
-  if previous then return previous end
-end
-local ticket = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[4], ARGV[3], 'EX', ARGV[2])
-redis.call('HSET', KEYS[3], unpack(ARGV, 6))
-redis.call('HSET', KEYS[3], 'ticket', ticket)
-redis.call('EXPIRE', KEYS[3], ARGV[2])
-if KEYS[5] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then redis.call('HSET', KEYS[5], 'last_request_at', ARGV[4]) end
-redis.call('ZADD', KEYS[6], ARGV[4], ARGV[1])
-redis.call('ZREMRANGEBYRANK', KEYS[6], 0, -201)
-redis.call('EXPIRE', KEYS[6], ARGV[2])
-return ARGV[1]
-"""
+    async def model_record(self, model_id: str) -> ModelRecord | None:
+        """The model's record, whoever owns it; None when there is none."""
+        raw = await self.r.hgetall(self.keys.model(model_id))
+        return ModelRecord.from_hash(raw) if raw else None
 
-# The submit, the key's admission (twinkle.backlog) and the op's broker message in one script: the record and the
-# message are written together or not at all, and a retried submit (the dedupe's winner) sends nothing again.
-# KEYS: _SUBMIT's six, ADMIT's five, the pool's queue list. ARGV: how many of _SUBMIT's arguments come first,
-# those, ADMIT's eight, the message (twinkle.task_message). Returns _SUBMIT's answer.
-_SUBMIT_AND_SEND = f"""
-local function submit(KEYS, ARGV)
-{_SUBMIT}
-end
-local function admit(KEYS, ARGV)
-{ADMIT}
-end
-local n = tonumber(ARGV[1])
-local submit_args = {{unpack(ARGV, 2, n + 1)}}
--- the same script again (redis-py re-sends it once when the reply was lost): its op is stored and sent already
-if redis.call('EXISTS', KEYS[3]) == 1 then return submit_args[1] end
-local winner = submit({{unpack(KEYS, 1, 6)}}, submit_args)
-if winner ~= submit_args[1] then return winner end
-if admit({{unpack(KEYS, 7, 11)}}, {{unpack(ARGV, n + 2, n + 9)}}) == 1 then
-  redis.call('LPUSH', KEYS[12], ARGV[n + 10])
-end
-return winner
-"""
+    async def checkpoint_entry(self, run_id: str, checkpoint_id: str) -> dict[str, Any] | None:
+        raw = await self.r.hget(self.keys.checkpoints(run_id), checkpoint_id)
+        if raw is None:
+            return None
+        entry: dict[str, Any] = json.loads(raw)
+        return entry
+
+    async def put_checkpoint_entry(self, run_id: str, checkpoint_id: str, entry: dict[str, Any]) -> None:
+        await self.r.hset(self.keys.checkpoints(run_id), checkpoint_id, json.dumps(entry))
+
+    async def delete_checkpoint_entry(self, run_id: str, checkpoint_id: str) -> None:
+        await self.r.hdel(self.keys.checkpoints(run_id), checkpoint_id)
+
+    async def add_unloaded_run(self, run: ModelRecord, entries: dict[str, dict[str, Any]], *,
+                               answer: tuple[str, str, int] | None = None) -> None:
+        """A run made of checkpoints (a copy, an import) with their index entries, in one transaction: listed
+        among its owner's runs, it never holds a LoRA slot. `answer` (key, value, seconds) is an idempotency
+        key set along with it."""
+        pipe = self.r.pipeline()
+        pipe.hset(self.keys.model(run.model_id), mapping=run.to_hash())
+        pipe.sadd(self.keys.owner_runs(run.owner), run.model_id)
+        for checkpoint_id, entry in entries.items():
+            pipe.hset(self.keys.checkpoints(run.model_id), checkpoint_id, json.dumps(entry))
+        if answer is not None:
+            key, value, seconds = answer
+            pipe.set(key, value, ex=seconds)
+        await pipe.execute()
+
+    async def idempotent_answer(self, key: str) -> str | None:
+        """What an earlier call with this idempotency key answered, if it is still kept."""
+        done = await self.r.get(key)
+        return None if not done else done.decode() if isinstance(done, bytes) else str(done)
+
+    async def forget_failed_dedupe(self, scope: str, seq_id: int) -> None:
+        """Drop the dedupe record of (scope, seq_id) when its future failed or is gone, so the next submit with
+        them runs the op again instead of answering that future."""
+        key = self.keys.dedupe(scope, seq_id)
+        previous = await self.r.get(key)
+        if previous is None:
+            return
+        status = await self.r.hget(self.keys.future(previous.decode() if isinstance(previous, bytes)
+                                                    else str(previous)), "status")
+        if status is None or (status.decode() if isinstance(status, bytes) else str(status)) == FutureStatus.FAILED:
+            await self.r.delete(key)
+
+    # -- what the console shows -----------------------------------------------------------------
+
+    async def owner_records(self, owner: str, latest_ops: int) -> tuple[
+            list[SessionRecord], list[SamplingSessionRecord], list[FutureRecord]]:
+        """The records listed under the owner (its sessions, its sampling sessions, its latest `latest_ops`
+        requests, newest first), as stored: each one's owner is for the caller to check."""
+        session_ids = sorted(_text(s) for s in await self.r.smembers(self.keys.owner_sessions(owner)))
+        sampling_ids = sorted(_text(s) for s in await self.r.smembers(self.keys.owner_sampling_sessions(owner)))
+        request_ids = [_text(x) for x in await self.r.zrevrange(self.keys.owner_futures(owner), 0, latest_ops - 1)]
+        pipe = self.r.pipeline(transaction=False)
+        for sid in session_ids:
+            pipe.hgetall(self.keys.session(sid))
+        for sid in sampling_ids:
+            pipe.hgetall(self.keys.sampling_session(sid))
+        for rid in request_ids:
+            pipe.hgetall(self.keys.future(rid))
+        replies = await pipe.execute()
+        sampling_end = len(session_ids) + len(sampling_ids)
+        return ([SessionRecord.from_hash(h) for h in replies[: len(session_ids)] if h],
+                [SamplingSessionRecord.from_hash(h) for h in replies[len(session_ids) : sampling_end] if h],
+                [FutureRecord.from_hash(h) for h in replies[sampling_end:] if h])  # expired ones are gone
+
+    async def run_metrics(self, run_id: str) -> list[Any]:
+        """The run's metric entries as its pool appended them (twinkle.run_metrics)."""
+        return list(await self.r.lrange(self.keys.run_metrics(run_id), 0, -1))
+
+    async def recent_errors(self, limit: int) -> list[dict[str, Any]]:
+        return [json.loads(e) for e in await self.r.lrange(self.keys.recent_errors(), 0, limit - 1)]
+
+    # -- the connection -------------------------------------------------------------------------
+
+    async def ping(self) -> None:
+        await self.r.ping()
+
+    async def subscription(self, channel: str) -> aioredis.client.PubSub:
+        """A pub/sub connection of its own, subscribed to `channel`; the caller closes it."""
+        pubsub = self.r.pubsub()
+        await pubsub.subscribe(channel)
+        return pubsub
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
 
 # SADD only while the set is below the limit, as one atomic step on the Redis server.
 _ADD_WITH_LIMIT = """

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from api.context import ApiContext
 from twinkle.errors import Forbidden, InvalidRequest
-from twinkle.usage import METRICS, UsageKeys, cost_of, days_between, decode_hash, group_detail, sum_amounts
+from twinkle.usage import METRICS, cost_of, days_between, group_detail, sum_amounts
 
 GroupBy = Literal["day", "run", "model"]
 GROUPS: tuple[GroupBy, ...] = ("day", "run", "model")
@@ -134,17 +134,12 @@ def usage_query(caller: str, is_admin: bool, *, key: str | None = None, since: s
 
 async def tenants_with_usage(ctx: ApiContext) -> list[str]:
     """Every tenant the ledger has seen (for operators)."""
-    members = await ctx.store.r.smembers(UsageKeys(ctx.keys).tenants())
-    return sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+    return await ctx.usage_history.tenants()
 
 
 async def _grouped(ctx: ApiContext, tenant: str, days: list[str], group_by: GroupBy) -> dict[str, dict[str, int]]:
     """One tenant's amounts per group, groups in order (days oldest first, runs and models by name)."""
-    ukeys = UsageKeys(ctx.keys)
-    pipe = ctx.store.r.pipeline(transaction=False)
-    for day in days:
-        pipe.hgetall(ukeys.day(tenant, day) if group_by == "day" else ukeys.detail(tenant, day))
-    replies = [decode_hash(raw) for raw in await pipe.execute()]
+    replies = await ctx.usage_history.per_day(tenant, days, details=group_by != "day")
     if group_by == "day":
         return {day: amounts for day, amounts in zip(days, replies, strict=True) if amounts}
     merged: dict[str, list[dict[str, int]]] = {}

@@ -122,3 +122,71 @@ def test_the_cookbook_check_sees_a_server_internal(tmp_path: Path) -> None:
     recipe.write_text("def main():\n    from twinkle.server.common import input_feature_to_datum\n"
                       "    from twinkle import init_tinker_client\n")
     assert cookbook_reaches(recipe) == {"twinkle.server.common", "twinkle.server.common.input_feature_to_datum"}
+
+
+# A future record's own fields: a Lua script that names one in quotes reads or moves a future.
+FUTURE_FIELDS = ("status", "ticket", "created_at", "started_at", "finished_at", "exec_index", "begun_by",
+                 "broker_run_id")
+UNACKED_KEYS = {"unacked", "unacked_index"}  # kombu's, as strings
+UNACKED_NAMES = {"UNACKED", "UNACKED_INDEX"}  # the ledger's names for them
+RUNS_SCRIPTS = {"register_script", "eval", "evalsha"}
+
+
+def ledger_names(tree: ast.AST) -> set[str]:
+    """The names a module binds to the ledger's modules and values by importing them."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("twinkle.ledger"):
+            names |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names
+                      if alias.name.startswith("twinkle.ledger")}
+    return names
+
+
+def ledger_trespasses(path: Path) -> set[str]:
+    """What `path` does that only the ledger (twinkle/ledger/) may: a Lua script that touches a future record, the
+    broker's unacked keys named, or a script of the ledger's registered or run by itself."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    from_ledger = ledger_names(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if "redis.call(" in node.value and any(f"'{name}'" in node.value for name in FUTURE_FIELDS):
+                found.add("a Lua script that touches a future")
+            if node.value in UNACKED_KEYS:
+                found.add(f"the key {node.value!r}")
+        elif isinstance(node, ast.Name) and node.id in UNACKED_NAMES:
+            found.add(f"the key {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in UNACKED_NAMES:
+            found.add(f"the key {node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in RUNS_SCRIPTS
+              and node.args):
+            root = node.args[0]
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in from_ledger:
+                found.add(f"{node.func.attr} of a ledger script")
+    return found
+
+
+def test_only_the_ledger_moves_futures_and_reads_the_brokers_unacked_messages() -> None:
+    """Every state transition of a future and every read of kombu's unacked hash goes through twinkle/ledger/, so its
+    sync and async faces are the only ways to them."""
+    ledger = REPO / "twinkle" / "ledger"
+    trespassing = {str(path.relative_to(REPO)): found
+                   for package in ("twinkle", "twinkle_client", "api", "workers")
+                   for path in (REPO / package).rglob("*.py")
+                   if ledger not in path.parents and (found := ledger_trespasses(path))}
+    assert trespassing == {}
+
+
+def test_the_ledger_check_sees_a_future_script_the_unacked_hash_and_a_ledger_script_run_elsewhere(
+        tmp_path: Path) -> None:
+    module = tmp_path / "elsewhere.py"
+    module.write_text('from twinkle.ledger import scripts\n'
+                      'FAIL = """\nredis.call(\'HSET\', KEYS[1], \'status\', \'failed\')\n"""\n'
+                      'def held(r):\n    return r.hvals("unacked")\n'
+                      'def begin(r):\n    return r.register_script(scripts.BEGIN)\n')
+    assert ledger_trespasses(module) == {"a Lua script that touches a future", "the key 'unacked'",
+                                         "register_script of a ledger script"}

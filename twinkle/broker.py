@@ -1,37 +1,16 @@
-"""The broker: an embedded Valkey for single-machine setups, and queue repair after a worker crash."""
+"""The broker: an embedded Valkey for single-machine setups (a queue's repair after a worker crash is in
+twinkle/ledger/messages.py)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import redis
-
-from twinkle.futures import request_id_created_at
-
-# kombu's Redis transport keeps delivered-but-unacked messages here
-# (docs/celery_notes.md#unacked-messages-and-the-visibility-timeout)
-UNACKED = "unacked"
-UNACKED_INDEX = "unacked_index"
-
-# KEYS: handover list, queue. Moves what a pool's consumer popped but never recorded as unacked back to the
-# head of its queue (the end BLMOVE/BRPOP take from), oldest at the very head; returns how many.
-RETURN_HANDOVER = """
-local moved = 0
-while redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT') do moved = moved + 1 end
-return moved
-"""
-
-
-def handover_key(queue: str) -> str:
-    """The list a pool's consumer pops `queue`'s messages into before it records them (workers/handover.py)."""
-    return f"twinkle.handover.{queue}"
 
 
 class EmbeddedBroker:
@@ -83,36 +62,3 @@ class EmbeddedBroker:
                 self.proc.wait()
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
-
-def restore_unacked(r: redis.Redis, queue: str, *, key_prefix: str = "") -> int:
-    """Put the unacked messages of a dead worker's queue back at the head of the queue, oldest first, behind
-    them any message it popped but never recorded (workers/handover.py).
-
-    Safe only while no consumer of `queue` is alive: each queue has exactly one consumer, and the
-    supervisor calls this before it starts the replacement.
-    """
-    unacked, index = key_prefix + UNACKED, key_prefix + UNACKED_INDEX
-    handover = key_prefix + handover_key(queue)
-    handed = int(r.eval(RETURN_HANDOVER, 2, handover, key_prefix + queue))  # type: ignore[arg-type]
-    held: list[tuple[float, float, Any, bytes]] = []
-    entries: Any = r.zrange(index, 0, -1, withscores=True)
-    for tag, delivered in entries:
-        raw = r.hget(unacked, tag)
-        if raw is None:
-            r.zrem(index, tag)
-            continue
-        payload, _exchange, routing_key = json.loads(raw)
-        if routing_key == queue:
-            # A pool holding many messages took several within one clock tick: their delivery times tie, and
-            # the request ids' creation times keep them in acceptance order.
-            created = request_id_created_at(str(payload.get("headers", {}).get("id", ""))) or 0.0
-            held.append((float(delivered), created, tag, json.dumps(payload).encode()))
-    restored = 0
-    for _, _, tag, body in sorted(held, key=lambda h: (round(h[0], 2), h[1]), reverse=True):
-        pipe = r.pipeline(transaction=True)  # RPUSH newest first, so the oldest ends up at the head
-        pipe.rpush(key_prefix + queue, body)
-        pipe.hdel(unacked, tag)
-        pipe.zrem(index, tag)
-        pipe.execute()
-        restored += 1
-    return restored + handed

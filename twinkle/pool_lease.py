@@ -36,9 +36,9 @@ from typing import Any, NoReturn
 
 import redis
 
-from twinkle.broker import restore_unacked
 from twinkle.errors import PoolLeaseHeld
 from twinkle.keys import Keys
+from twinkle.ledger.messages import restore_unacked
 from twinkle.pool_exit import PoolExit
 
 log = logging.getLogger("twinkle.worker")

@@ -9,7 +9,7 @@ the message is in the broker queue, held by the worker (kombu's unacked hash), o
 
 Why the API: every deployment runs one where clients poll, whichever node runs the pools, so ops of a pool whose
 node is down time out too. One API process sweeps a round (a lock that expires with the round). The fail is
-one atomic script that writes only records still `queued` (twinkle.queued_ops), so it never overwrites an op a
+one atomic script that writes only records still `queued` (twinkle.ledger.queued), so it never overwrites an op a
 worker began; MARGIN_SECONDS keeps the sweep behind the worker's own check at pick-up, which fails the op as
 soon as it is past its timeout, so the two never decide differently about an op being begun.
 

@@ -4,7 +4,7 @@ kombu's Redis transport takes a message with BRPOP, and only then writes it to t
 killed between the two (a few milliseconds while ops flow; measured: 3 of 4 runs of ten restarts lost one op)
 has already persisted the pop but not the hash: the message is gone, and its future ends `request_lost`.
 
-Here the pop is BLMOVE into a handover list of the queue's own (`twinkle.broker.handover_key`), which Redis
+Here the pop is BLMOVE into a handover list of the queue's own (`twinkle.ledger.messages.handover_key`), which Redis
 persists atomically with the pop, and one script then moves the message from that list into `unacked`. So a
 message is always in the queue, the handover list or `unacked`. A channel puts whatever the handover list holds
 back at the head of the queue before its first pop (what a connection lost mid-handover left there; the list
@@ -18,22 +18,15 @@ list only.
 
 from __future__ import annotations
 
-from time import monotonic, time
+from time import monotonic
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import loads
 
-from twinkle.broker import RETURN_HANDOVER, handover_key
-
-# KEYS: unacked index, unacked hash, handover list. ARGV: delivery tag, now, unacked entry, handed-over item.
-_RECORD = """
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-redis.call('LREM', KEYS[3], 1, ARGV[4])
-"""
+from twinkle.ledger import SyncLedger, messages
 
 
 class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
@@ -44,10 +37,10 @@ class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
             return
         queue, item = handing
         delivery = message.delivery_info
-        entry = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+        entry = messages.entry(message._raw, delivery["exchange"], delivery["routing_key"])
         with self.channel.conn_or_acquire() as client:
-            client.eval(_RECORD, 3, self.unacked_index_key, self.unacked_key, handover_key(queue),
-                        delivery_tag, time(), entry, item)
+            self.channel.ledger(client).run(messages.record_delivery(
+                self.unacked_index_key, self.unacked_key, queue, delivery_tag, entry, item))
         virtual.QoS.append(self, message, delivery_tag)  # kombu's in-memory bookkeeping, without its own write
 
 
@@ -57,6 +50,7 @@ class HandoverChannel(kombu_redis.Channel):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._sync_client: Any = None
         self._sync_client_pool: Any = None
+        self._ledger: SyncLedger | None = None  # on the client that records deliveries
         super().__init__(*args, **kwargs)
         self.handing: tuple[str, bytes] | None = None  # the message between its pop and its unacked entry
         self._popping: str | None = None  # the queue of the BLMOVE in flight
@@ -74,6 +68,12 @@ class HandoverChannel(kombu_redis.Channel):  # type: ignore[misc]
             self._sync_client, self._sync_client_pool = super()._create_client(), pool
         return self._sync_client
 
+    def ledger(self, client: Any) -> SyncLedger:
+        """The ledger on `client`, kept while the client is (its scripts are registered once)."""
+        if self._ledger is None or self._ledger.r is not client:
+            self._ledger = SyncLedger(client)
+        return self._ledger
+
     def _handover_queue(self) -> str | None:
         if self.global_keyprefix or len(self.active_queues) != 1:
             return None
@@ -88,12 +88,12 @@ class HandoverChannel(kombu_redis.Channel):  # type: ignore[misc]
             timeout = self.brpop_timeout
         client = self.client
         if not self._returned:
-            client.eval(RETURN_HANDOVER, 2, handover_key(queue), queue)
+            SyncLedger(client).run(messages.return_handover(queue))
             self._returned = True
         self._in_poll = client.connection
         self._brpop_sent_at = monotonic()  # type: ignore[assignment]
         self._popping = queue
-        client.connection.send_command("BLMOVE", queue, handover_key(queue), "RIGHT", "LEFT", timeout or 0)
+        client.connection.send_command("BLMOVE", queue, messages.handover_key(queue), "RIGHT", "LEFT", timeout or 0)
 
     def _brpop_read(self, **options: Any) -> bool:
         queue = self._popping

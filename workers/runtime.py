@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,8 @@ from twinkle.config.clock import ClockConfig, SchedulingConfig
 from twinkle.errors import AdapterGone, BackendFailure, TwinkleError, lost_state_error
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
+from twinkle.ledger import SyncLedger, lifecycle
+from twinkle.ledger.lifecycle import Refused
 from twinkle.pool_lease import PoolLease
 from twinkle.pool_reservation import PoolReservation
 from twinkle.queue_timeouts import queue_timeout_error
@@ -40,8 +41,6 @@ from workers.lost_adapters import LostAdapterOps
 log = logging.getLogger("twinkle.worker")
 UNFUSED_HANDOVER_MS = 2.0  # without clock cycles: how long a pick waits for ops delivered but not yet read
 LOST_RESWEEP_SECONDS = 10.0  # a lost adapter's waiting ops are failed together at most this often
-FENCED_OFF = -2  # what _BEGIN and _FINISH answer a worker whose pool lease another worker took
-ALREADY_ENDED = -3  # what _BEGIN answers for an op a sweep failed after the pool last read it
 
 Handler = Callable[[FutureRecord, Any], Any]
 
@@ -68,8 +67,7 @@ class PoolRuntime:
         # Model pools: ops and the adapter reaper never touch the backend at once. Sampler and processor
         # pools run several ops concurrently (their handlers synchronise what they share).
         self.lock: Any = threading.Lock() if serialize else contextlib.nullcontext()
-        self._begin_script = r.register_script(_BEGIN)
-        self._finish_script = r.register_script(_FINISH)
+        self.futures = SyncLedger(r)  # their lifecycle (twinkle.ledger)
         self.current: RunningOp | None = None  # the op in its handler (model pools), for the hang watchdog
         self.started_op = threading.Event()  # set when an op enters its handler: the liveness file says so at once
         self.clock: Clock | None = None  # set by `use_clock`: ops of many adapters run in fused cycles
@@ -91,11 +89,10 @@ class PoolRuntime:
                 self.clock.leave(request_id)
 
     def _execute(self, op: str, request_id: str, model_id: str = "") -> None:
-        raw, payload, model_raw = self._read(request_id, model_id)
-        if not raw:
+        rec, payload, model_raw = self._read(request_id, model_id)
+        if rec is None:
             log.warning("future %s is gone (expired?); dropping %s", request_id, op)
             return
-        rec = FutureRecord.from_hash(raw)
         model = ModelRecord.from_hash(model_raw) if model_raw else None
         if rec.state.terminal:
             # A redelivery, or an op failed while queued (queue_timeout, a lost adapter's backlog): no turn taken,
@@ -242,36 +239,27 @@ class PoolRuntime:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _read(self, request_id: str, model_id: str = "") -> tuple[dict[Any, Any], bytes | None, dict[Any, Any]]:
+    def _read(self, request_id: str, model_id: str = "") -> tuple[FutureRecord | None, bytes | None, dict[Any, Any]]:
         """The future record, its payload and its model's record: one round trip when the message named the model
         the record names (every message the API and the backlogs send does), two otherwise."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hgetall(self.keys.future(request_id))
-        pipe.get(self.keys.blob_in(request_id))
-        if model_id:
-            pipe.hgetall(self.keys.model(model_id))
-        raw, payload, *named = pipe.execute()
-        recorded = raw.get(b"model_id", raw.get("model_id", b"")) if raw else b""
-        recorded = recorded.decode() if isinstance(recorded, bytes) else str(recorded)
+        read = self.futures.run(lifecycle.read_for_run(self.keys, request_id, model_id))
+        recorded = read.record.model_id if read.record is not None else ""
         if recorded == model_id:
-            return raw, payload, named[0] if named else {}
-        return raw, payload, self.r.hgetall(self.keys.model(recorded)) if recorded else {}
+            return read.record, read.payload, read.model
+        return read.record, read.payload, self.r.hgetall(self.keys.model(recorded)) if recorded else {}
 
     def _begin(self, rec: FutureRecord) -> bool:
         """Mark the op running, count it on its model and advance the queue position, in one round trip.
         False when the future is gone: a broker restarted without persistence lost it, and writing now would
         leave partial records."""
-        model_key = self.keys.model(rec.model_id) if rec.model_id else ""
-        index = self._begin_script(keys=[self.keys.future(rec.request_id), model_key,
-                                         self.keys.queue_started(rec.queue or self.queue), self._fence_key()],
-                                   # a retry after a reply the broker lost must not count the op twice
-                                   args=[time.time(), rec.ticket, self._fence_token(), uuid.uuid4().hex])
-        if int(index) == FENCED_OFF:
+        began = self.futures.run(lifecycle.begin(self.keys, rec, queue=rec.queue or self.queue,
+                                                 fence_key=self._fence_key(), token=self._fence_token()))
+        if began is Refused.FENCED_OFF:
             self._fenced_off(rec, "was not begun")
             return False
-        if int(index) == ALREADY_ENDED:  # a sweep failed it (queue timeout, lost adapter) since its last read
+        if began is Refused.ALREADY_ENDED:  # a sweep failed it (queue timeout, lost adapter) since its last read
             raise _EndedWhileHeld
-        if int(index) < 0:
+        if began is Refused.GONE:
             return False
         task_started(rec)
         return True
@@ -335,8 +323,7 @@ class PoolRuntime:
 
     def _ended(self, rec: FutureRecord) -> bool:
         """Whether the op's record is terminal now (read again: it was queued when this pool read it)."""
-        return self.r.hget(self.keys.future(rec.request_id), "status") in (FutureStatus.COMPLETED.value.encode(),
-                                                                          FutureStatus.FAILED.value.encode())
+        return self.futures.run(lifecycle.ended(self.keys, rec.request_id))
 
     def _release_if_never_created(self, op: str, rec: FutureRecord, model: ModelRecord | None,
                                   exc: TwinkleError) -> None:
@@ -372,19 +359,16 @@ class PoolRuntime:
         A broker that restarted without persistence lost the record: writing then would leave a partial
         record nobody owns (and the API already reports such a future as lost). One script, not a check and
         a write, because a client retrying a write across a broker restart must not recreate it either."""
-        rid = rec.request_id
-        fields = [str(x) for kv in {"status": status.value, "finished_at": time.time(), **failure}.items()
-                  for x in kv]
-        written = self._finish_script(
-            keys=[self.keys.future(rid), self.keys.blob_out(rid), self.keys.blob_in(rid), self._fence_key()],
-            args=[self.future_ttl, result, self.keys.done_channel(rid), status.value, self._fence_token(), *fields])
-        if int(written) == FENCED_OFF:
+        refused = self.futures.run(lifecycle.finish(self.keys, rec.request_id, status, result, ttl=self.future_ttl,
+                                                    fence_key=self._fence_key(), token=self._fence_token(),
+                                                    failure=failure))
+        if refused is Refused.FENCED_OFF:
             self._fenced_off(rec, "has its outcome dropped")
             return False
-        if not int(written):
-            log.warning("future %s vanished from the broker (restarted?); its outcome is dropped", rid)
+        if refused is Refused.GONE:
+            log.warning("future %s vanished from the broker (restarted?); its outcome is dropped", rec.request_id)
         self._release_backlog(rec)
-        return bool(int(written))
+        return refused is None
 
     # -- the pool lease (twinkle.pool_lease) ----------------------------------------------------
 
@@ -436,45 +420,3 @@ class _Parked(Exception):  # a signal between two steps of one op, never reporte
 class _EndedWhileHeld(Exception):  # a signal between two steps of one op, never reported
     """The op's record became terminal while the pool held it: it is skipped like a duplicate delivery."""
 
-
-# A worker whose pool lease another worker took since (the fence names another token) writes nothing: -2.
-# A missing fence (a broker restarted without persistence) fences nobody off.
-# KEYS: future, blob_out, blob_in, fence ('' = none). ARGV: ttl, result blob ('' = none), done channel, status,
-# lease token, field/value pairs.
-_FINISH = """
-if KEYS[4] ~= '' then
-  local fence = redis.call('GET', KEYS[4])
-  if fence and fence ~= ARGV[5] then return -2 end
-end
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[1]) end
-redis.call('HSET', KEYS[1], unpack(ARGV, 6))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-redis.call('DEL', KEYS[3])
-redis.call('PUBLISH', ARGV[3], ARGV[4])
-return 1
-"""
-
-# KEYS: future, model ("" = none), queue_started, fence ('' = none). ARGV: now, ticket, lease token, attempt id
-# (the same attempt sent again, after a reply the broker lost, returns the index it got the first time). An op
-# that already ended (a sweep failed it while the pool held it) is never begun: -3.
-_BEGIN = """
-if KEYS[4] ~= '' then
-  local fence = redis.call('GET', KEYS[4])
-  if fence and fence ~= ARGV[3] then return -2 end
-end
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'completed' or status == 'failed' then return -3 end
-if redis.call('HGET', KEYS[1], 'begun_by') == ARGV[4] then
-  return tonumber(redis.call('HGET', KEYS[1], 'exec_index') or '0')
-end
-local index = 0
-if KEYS[2] ~= '' and redis.call('EXISTS', KEYS[2]) == 1 then
-  index = redis.call('HINCRBY', KEYS[2], 'ops_executed', 1)
-end
-redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'exec_index', index, 'begun_by', ARGV[4])
-local current = tonumber(redis.call('GET', KEYS[3]) or '0')
-if current < tonumber(ARGV[2]) then redis.call('SET', KEYS[3], ARGV[2]) end
-return index
-"""

@@ -19,6 +19,8 @@ from api.console.readings import pool_readings, recent_errors, run_series, tenan
 from api.console.usage_page import usage_page
 from api.context import ApiContext
 from api.deps import Ctx, IsAdmin, Tenant
+from api.responses.answer import described_by
+from api.responses.console import RunMetrics
 from api.services.downloads import archive_url, merged_archive_url
 from api.usage_report import DEFAULT_DAYS, MAX_DAYS, build_report, tenants_with_usage, usage_query
 from twinkle.auth import key_from_headers
@@ -107,7 +109,7 @@ async def run(run_id: str, request: Request, ctx: Ctx, tenant: Tenant) -> HTMLRe
                                 _merged_downloads(ctx, request, tenant)))
 
 
-@router.get("/api/runs/{run_id}/metrics")
+@router.get("/api/runs/{run_id}/metrics", response_model=described_by(RunMetrics))
 async def run_metrics(run_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     """The same per-step series as JSON, for scripts and notebooks."""
     record, series = await run_series(ctx, tenant, run_id)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,13 @@ from api.openai import wire
 from api.openai.choices import Choice, choices_of
 from api.openai.streaming import KEEPALIVE_SECONDS, DeltaText, sse_event, sse_response
 from api.openai.token_feed import Check, TokenFeed, follow_without_feed
-from api.services.futures import wait_for_future
-from api.services.sampling import sampling_target
+from api.responses.answer import described_by
+from api.responses.openai import ChatCompletion, Completion, ModelList, streamed
+from api.services import checkpoints, sampling
 from twinkle.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
 from twinkle.checkpoints import SCHEMES
-from twinkle.errors import BackendFailure, InvalidRequest, NotFound, RateLimited, TwinkleError
-from twinkle.futures import FutureStatus, Op
+from twinkle.errors import InvalidRequest, NotFound, RateLimited, TwinkleError
+from twinkle.futures import Op
 from twinkle.tenancy import TenantPolicy
 from twinkle.types import SampleOutput, SampleRequest, SamplingParams, chunks_from_tokens
 
@@ -94,11 +94,11 @@ class Target:
 
 
 async def resolve(ctx: ApiContext, tenant: str, model: str) -> Target:
-    if model.startswith(SCHEMES):
-        name, queue, adapter_dir = await sampling_target(ctx, tenant, None, model)  # NotFound unless the caller's
+    if model.startswith(SCHEMES):  # a checkpoint: NotFound unless the caller's
+        name, queue, adapter_dir = await sampling.sampling_target(ctx, tenant, None, model)
     else:
         try:
-            name, queue, adapter_dir = await sampling_target(ctx, tenant, model, None)
+            name, queue, adapter_dir = await sampling.sampling_target(ctx, tenant, model, None)
         except InvalidRequest as exc:
             raise NotFound(f"The model {model!r} does not exist here.", hint=exc.hint) from None
     served = ctx.catalog.find(name)
@@ -141,36 +141,17 @@ async def submit(ctx: ApiContext, tenant: str, policy: TenantPolicy, target: Tar
                  params: SamplingParams, n: int, *, logprobs: Logprobs = Logprobs(),
                  feed: TokenFeed | None = None) -> str:
     """One sample op, like `/asample`'s; the caller checked the key's quotas once for all its prompts."""
-    if target.context and len(prompt) + params.max_tokens > target.context:
-        raise InvalidRequest(f"The prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                             f"the model's context of {target.context} tokens.",
-                             hint="Shorten the prompt or lower max_tokens.")
+    sampling.check_context(len(prompt), params.max_tokens, target.context)
     req = SampleRequest(prompt=chunks_from_tokens(prompt), params=params, num_samples=n,
                         prompt_logprobs=logprobs.prompt, topk_prompt_logprobs=logprobs.prompt_top,
                         topk_sample_logprobs=logprobs.sampled_top,
                         adapter_path=target.adapter_dir, stream_channel=feed.channel if feed else None)
-    await ctx.limiter.admit(tenant, target.queue, input_tokens=len(prompt))
-    return await ctx.store.submit(op=Op.SAMPLE, owner=tenant, model_id="", queue=target.queue, payload=req,
-                                  weight=policy.weight)
-
-
-async def outcome(ctx: ApiContext, tenant: str, request_id: str, *,
-                  timeout: float | None = None) -> SampleOutput | None:
-    """The op's output once it finished (None when `timeout` passed first); a failed op raises its error."""
-    record = await ctx.store.future(request_id, tenant)
-    while not record.state.terminal:
-        record = await wait_for_future(ctx, record, tenant, ctx.long_poll_seconds if timeout is None else timeout)
-        if timeout is not None and not record.state.terminal:
-            return None
-    if record.state is FutureStatus.FAILED:
-        raise (InvalidRequest if record.category == "user" else BackendFailure)(record.error or "Sampling failed.")
-    result: SampleOutput = await ctx.store.result(request_id)
-    return result
+    return await sampling.submit_sample(ctx, tenant, policy, target.queue, req, input_tokens=len(prompt))
 
 
 def _check(ctx: ApiContext, tenant: str, request_id: str) -> Check:
     async def check(timeout: float) -> SampleOutput | None:
-        return await outcome(ctx, tenant, request_id, timeout=timeout)
+        return await sampling.sample_output(ctx, tenant, request_id, timeout=timeout)
 
     return check
 
@@ -178,7 +159,7 @@ def _check(ctx: ApiContext, tenant: str, request_id: str) -> Check:
 # -- chat ----------------------------------------------------------------------------------------------------
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None, responses=streamed(ChatCompletion, "ChatCompletionChunk"))
 async def chat_completions(body: wire.ChatCompletionBody, ctx: Ctx, tenant: Tenant,
                            policy: Policy) -> Response | dict[str, Any]:
     check_parameters(body)
@@ -200,7 +181,7 @@ async def chat_completions(body: wire.ChatCompletionBody, ctx: Ctx, tenant: Tena
     request_id = await submit(ctx, tenant, policy, target, prompt, params, body.n,
                               logprobs=Logprobs(sampled_top=(body.top_logprobs or 0) if body.logprobs else 0))
     ident = f"chatcmpl-{request_id}"
-    out = await outcome(ctx, tenant, request_id)
+    out = await sampling.sample_output(ctx, tenant, request_id)
     assert out is not None
     choices = choices_of(out, target.tokenizer, params.stop_strings)
     return wire.envelope("chat.completion", ident, body.model, [
@@ -274,7 +255,7 @@ def _prompts(body: wire.CompletionBody, tokenizer: ChatTokenizer) -> list[list[i
     return prompts
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, responses=streamed(Completion, "Completion"))
 async def completions(body: wire.CompletionBody, ctx: Ctx, tenant: Tenant,
                       policy: Policy) -> Response | dict[str, Any]:
     check_parameters(body)
@@ -301,7 +282,7 @@ async def completions(body: wire.CompletionBody, ctx: Ctx, tenant: Tenant,
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(_completion_stream(ctx, tenant, ids, feed, ident, target, body, prompts, requested,
                                        include_usage))
-    outs = await asyncio.gather(*(outcome(ctx, tenant, rid) for rid in ids))
+    outs = await asyncio.gather(*(sampling.sample_output(ctx, tenant, rid) for rid in ids))
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
     for prompt, out in zip(prompts, outs, strict=True):
@@ -393,7 +374,7 @@ async def _completion_stream(ctx: ApiContext, tenant: str, ids: list[str], feed:
 # -- models --------------------------------------------------------------------------------------------------
 
 
-@router.get("/models")
+@router.get("/models", response_model=described_by(ModelList))
 async def models(request: Request, ctx: Ctx, tenant: Tenant,
                  limit: int = Query(default=MODELS_PAGE, ge=1, le=MODELS_PAGE_MAX),
                  after: str | None = Query(default=None, max_length=1000),
@@ -404,17 +385,9 @@ async def models(request: Request, ctx: Ctx, tenant: Tenant,
     unknown = sorted(set(request.query_params) - {"limit", "after", "run"})
     if unknown:
         raise InvalidRequest(f"/v1/models does not take {', '.join(unknown)}.", hint="It takes limit, after and run.")
-    if run is not None:
-        await ctx.store.model(run, tenant, active=False)  # 404 unless the caller's run
-        runs = [run]
-        data = []
-    else:
-        runs = [record.model_id for record in await ctx.store.list_runs(tenant)]
-        data = [wire.model_entry(name, "twinkle") for name in sorted(ctx.catalog.models)]
-    checkpoints = [(_created(entry.get("time")), str(entry["tinker_path"]))
-                   for model_id in runs for entry in await ctx.store.checkpoints(model_id)
-                   if entry.get("checkpoint_type") == "sampler"]
-    data += [wire.model_entry(path, tenant, created) for created, path in sorted(checkpoints, reverse=True)]
+    data = [] if run is not None else [wire.model_entry(name, "twinkle") for name in sorted(ctx.catalog.models)]
+    data += [wire.model_entry(path, tenant, created)
+             for created, path in await checkpoints.sampler_paths(ctx, tenant, run)]  # 404 unless the caller's run
     start = 0
     if after is not None:
         start = next((index + 1 for index, model in enumerate(data) if model["id"] == after), -1)
@@ -424,13 +397,3 @@ async def models(request: Request, ctx: Ctx, tenant: Tenant,
     page = data[start : start + limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(data)}
-
-
-def _created(when: Any) -> float:
-    """A checkpoint's time (ISO 8601 in the index, or seconds) as seconds since the epoch; 0 when unknown."""
-    if isinstance(when, int | float):
-        return float(when)
-    try:
-        return datetime.fromisoformat(str(when)).timestamp()
-    except ValueError:
-        return 0.0

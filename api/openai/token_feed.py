@@ -32,9 +32,7 @@ class TokenFeed:
     @classmethod
     async def open(cls, ctx: ApiContext) -> TokenFeed:
         channel = ctx.keys.sample_stream(secrets.token_hex(12))
-        pubsub = ctx.store.r.pubsub()
-        await pubsub.subscribe(channel)
-        return cls(ctx, pubsub, channel)
+        return cls(ctx, await ctx.store.subscription(channel), channel)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

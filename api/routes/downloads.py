@@ -24,6 +24,14 @@ from fastapi.responses import FileResponse, StreamingResponse
 
 from api.context import ApiContext
 from api.deps import Ctx, Tenant
+from api.responses.answer import described_by
+from api.responses.downloads import (
+    ARCHIVE_REDIRECT,
+    FILE_DOWNLOAD,
+    TAR_DOWNLOAD,
+    MergedExportUrls,
+    SignedUrls,
+)
 from api.services.downloads import archive_url, download_signer, merged_archive_url, merged_subject, signed_url
 from twinkle import merged_export
 from twinkle.checkpoints import CHECKPOINT_TYPES, MERGED_RECORD, METADATA_FILE, CheckpointRef, validate_name
@@ -71,7 +79,8 @@ def _merged(ctx: ApiContext, tenant: str, ref: CheckpointRef) -> tuple[Path, dic
     return ctx.checkpoints.merged_path(tenant, ref), record
 
 
-@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls",
+            response_model=described_by(SignedUrls))
 async def external_weights_urls(run_id: str, checkpoint_id: str, request: Request, ctx: Ctx, tenant: Tenant
                                 ) -> dict[str, Any]:
     """One signed URL per file of the checkpoint (the SDK's `get_external_weights_urls`)."""
@@ -89,7 +98,8 @@ async def external_weights_urls(run_id: str, checkpoint_id: str, request: Reques
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
 
-@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/archive")
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/archive", status_code=302,
+            responses=ARCHIVE_REDIRECT)
 async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, ctx: Ctx, tenant: Tenant
                              ) -> Response:
     """302 to a signed URL of the checkpoint as one tar (the 0.25 SDK's archive call; curl -L works)."""
@@ -106,7 +116,8 @@ async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request, 
                     headers={"Location": url, "Expires": formatdate(expires, usegmt=True)})
 
 
-@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/merged_urls")
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/merged_urls",
+            response_model=described_by(MergedExportUrls))
 async def merged_urls(run_id: str, checkpoint_id: str, request: Request, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     """One signed URL per file of the checkpoint's verified merged export, and the export's check."""
     ref = _ref_of_id(run_id, checkpoint_id)
@@ -126,7 +137,8 @@ async def merged_urls(run_id: str, checkpoint_id: str, request: Request, ctx: Ct
             "export": merged_export.summary(record)}
 
 
-@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/merged_archive")
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/merged_archive", status_code=302,
+            responses=ARCHIVE_REDIRECT)
 async def merged_archive(run_id: str, checkpoint_id: str, request: Request, ctx: Ctx, tenant: Tenant) -> Response:
     """302 to a signed URL of the verified merged export as one tar (`curl -L` works)."""
     ref = _ref_of_id(run_id, checkpoint_id)
@@ -143,7 +155,8 @@ async def merged_archive(run_id: str, checkpoint_id: str, request: Request, ctx:
                     headers={"Location": url, "Expires": formatdate(expires, usegmt=True)})
 
 
-@router.get("/downloads/{run_id}/{kind}/{name}/merged/files/{file_path:path}", name="download_merged_file")
+@router.get("/downloads/{run_id}/{kind}/{name}/merged/files/{file_path:path}", name="download_merged_file",
+            response_class=FileResponse, responses=FILE_DOWNLOAD)
 async def download_merged_file(run_id: str, kind: str, name: str, file_path: str, ctx: Ctx,
                                tenant: str = "", expires: str = "", signature: str = "") -> FileResponse:
     ref = _ref(run_id, kind, name)
@@ -152,7 +165,8 @@ async def download_merged_file(run_id: str, kind: str, name: str, file_path: str
     return _file_response(directory, file_path, _MERGED_EXCLUDED, f"the merged export of {ref.uri()}")
 
 
-@router.get("/downloads/{run_id}/{kind}/{name}/merged/archive.tar", name="download_merged_archive")
+@router.get("/downloads/{run_id}/{kind}/{name}/merged/archive.tar", name="download_merged_archive",
+            response_class=StreamingResponse, responses=TAR_DOWNLOAD)
 async def download_merged_archive(run_id: str, kind: str, name: str, ctx: Ctx,
                                   tenant: str = "", expires: str = "", signature: str = "") -> StreamingResponse:
     ref = _ref(run_id, kind, name)
@@ -162,7 +176,8 @@ async def download_merged_archive(run_id: str, kind: str, name: str, ctx: Ctx,
                                f"{ref.run_id}-{ref.kind}-{ref.name}-merged.tar")
 
 
-@router.get("/downloads/{run_id}/{kind}/{name}/files/{file_path:path}", name="download_file")
+@router.get("/downloads/{run_id}/{kind}/{name}/files/{file_path:path}", name="download_file",
+            response_class=FileResponse, responses=FILE_DOWNLOAD)
 async def download_file(run_id: str, kind: str, name: str, file_path: str, ctx: Ctx,
                         tenant: str = "", expires: str = "", signature: str = "") -> FileResponse:
     ref = _ref(run_id, kind, name)
@@ -171,7 +186,8 @@ async def download_file(run_id: str, kind: str, name: str, file_path: str, ctx: 
     return _file_response(directory, file_path, _EXCLUDED, f"checkpoint {ref.uri()}")
 
 
-@router.get("/downloads/{run_id}/{kind}/{name}/archive.tar", name="download_archive")
+@router.get("/downloads/{run_id}/{kind}/{name}/archive.tar", name="download_archive",
+            response_class=StreamingResponse, responses=TAR_DOWNLOAD)
 async def download_archive(run_id: str, kind: str, name: str, ctx: Ctx,
                            tenant: str = "", expires: str = "", signature: str = "") -> StreamingResponse:
     ref = _ref(run_id, kind, name)

@@ -10,9 +10,9 @@ from api.context import ApiContext
 from api.deps import Ctx, Tenant
 from api.finite_json import FiniteJSONResponse
 from api.long_poll import await_future, failed_answer, parked_poll
-from api.reservations import waiting_reason
+from api.responses.futures import FUTURE_RESPONSES
 from api.schemas import RetrieveFutureBody
-from api.slots import waiting_for_slot
+from api.services.futures import waiting_state
 from api.tinker_codec import (
     encode_forward_backward_output,
     encode_sample_output,
@@ -27,7 +27,7 @@ router = APIRouter()
 PROTOBUF = "application/x-protobuf"
 
 
-@router.post("/retrieve_future", response_model=None)
+@router.post("/retrieve_future", response_model=None, responses=FUTURE_RESPONSES)
 async def retrieve_future(body: RetrieveFutureBody, request: Request, ctx: Ctx, tenant: Tenant
                           ) -> Response | dict[str, Any]:
     parked = parked_poll(request.scope, body.request_id, tenant)  # api.long_poll waited for it, shallower
@@ -47,20 +47,7 @@ async def retrieve_future(body: RetrieveFutureBody, request: Request, ctx: Ctx, 
 
 
 async def _try_again(ctx: ApiContext, record: FutureRecord) -> dict[str, Any]:
-    if record.state is FutureStatus.RUNNING:
-        reason = f"running on {record.queue}"
-    else:
-        position = await ctx.store.queue_position(record)
-        reason = f"queued on {record.queue}, {position} ahead"
-    queue_state = "active"
-    throttled = await ctx.limiter.over_limit(record.owner, record.queue)
-    if throttled:
-        queue_state, reason = "paused_rate_limit", f"{throttled}; this request is {reason}"
-    elif record.queue in ctx.catalog.reserving_queues and (
-            reserved := await waiting_reason(ctx.store.r, ctx.keys, record)) is not None:
-        queue_state, reason = "paused_capacity", reserved
-    elif (waiting := await waiting_for_slot(ctx, record)) is not None:
-        queue_state, reason = "paused_capacity", f"{waiting}; this request is {reason}"
+    queue_state, reason = await waiting_state(ctx, record)
     return {"type": "try_again", "request_id": record.request_id, "queue_state": queue_state,
             "queue_state_reason": reason, "status": record.status}
 

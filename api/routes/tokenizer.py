@@ -15,6 +15,8 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 from api.deps import Ctx, Tenant
+from api.responses.answer import described_by
+from api.responses.downloads import FILE_DOWNLOAD, TokenizerFiles
 from twinkle.catalog import ServedModel
 from twinkle.errors import NotFound
 from twinkle.tokenizer_files import TOKENIZER_FILE_NAMES, list_tokenizer_files, tokenizer_directory
@@ -33,7 +35,7 @@ def _directory(served: ServedModel) -> Path:
     return directory
 
 
-@router.get("/tokenizer_files")
+@router.get("/tokenizer_files", response_model=described_by(TokenizerFiles))
 async def tokenizer_files(model: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     served = ctx.catalog.find(model)
     directory = _directory(served)
@@ -41,7 +43,7 @@ async def tokenizer_files(model: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any
     return {"model_name": served.name, "files": [f.__dict__ for f in files]}
 
 
-@router.get("/tokenizer_files/{name}")
+@router.get("/tokenizer_files/{name}", response_class=FileResponse, responses=FILE_DOWNLOAD)
 async def tokenizer_file(name: str, model: str, ctx: Ctx, tenant: Tenant) -> FileResponse:
     served = ctx.catalog.find(model)
     if name not in TOKENIZER_FILE_NAMES:  # a fixed list: no path from the client reaches the filesystem

@@ -11,10 +11,13 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import ConfigDict, Field, field_validator
 
-from api.checkpoint_writes import submit_save
 from api.context import ApiContext
 from api.deps import Ctx, Policy, Tenant
+from api.responses.answer import described_by
+from api.responses.tinker import FutureHandle
+from api.responses.twinkle import CapacityInfo
 from api.schemas import Body
+from api.services import checkpoints, training
 from twinkle.catalog import processor_queue
 from twinkle.checkpoints import parse_checkpoint_path, validate_name
 from twinkle.errors import InvalidRequest
@@ -112,18 +115,14 @@ async def _submit(ctx: ApiContext, tenant: str, policy: TenantPolicy, model_id: 
                   input_tokens: int = 0) -> dict[str, Any]:
     """Every op here is checked against the key's quotas and counts against its rate limits on its pool, as
     the Tinker routes do."""
-    record = await ctx.store.model(model_id, tenant)
-    await ctx.quotas.check(tenant, policy, op)
-    await ctx.limiter.admit(tenant, record.queue, input_tokens=input_tokens)
-    rid = await ctx.store.submit(op=op, owner=tenant, model_id=record.model_id, queue=record.queue, payload=payload,
-                                 weight=policy.weight)
+    record, rid = await training.submit_to_model(ctx, tenant, policy, model_id, op, payload,
+                                                 input_tokens=input_tokens)
     return {"request_id": rid, "model_id": record.model_id}
 
 
 async def _check_vocabulary(ctx: ApiContext, tenant: str, body: InputsBody) -> None:
     """Token ids outside the model's vocabulary are refused here, on every backend, as the Tinker routes do."""
-    record = await ctx.store.model(body.model_id, tenant)
-    info = await ctx.model_info(ctx.catalog.find(record.base_model)) or {}
+    _, _, info = await training.loaded_model(ctx, tenant, body.model_id)
     vocab = info.get("vocab_size")
     if not vocab:
         return
@@ -141,13 +140,13 @@ def _input_tokens(inputs: list[dict[str, Any]]) -> int:
     return sum(len(item.get("input_ids") or ()) for item in inputs if "messages" not in item)
 
 
-@router.post("/configure")
+@router.post("/configure", response_model=described_by(FutureHandle))
 async def configure(body: ConfigureBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     changes = body.model_dump(exclude={"model_id"}, exclude_none=True)
     return await _submit(ctx, tenant, policy, body.model_id, Op.CONFIGURE, changes)
 
 
-@router.post("/forward_backward")
+@router.post("/forward_backward", response_model=described_by(FutureHandle))
 async def forward_backward(body: InputsBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     await _check_vocabulary(ctx, tenant, body)
     payload = {"inputs": body.inputs, "loss_kwargs": body.loss_kwargs or {}}
@@ -155,7 +154,7 @@ async def forward_backward(body: InputsBody, ctx: Ctx, tenant: Tenant, policy: P
                          input_tokens=_input_tokens(body.inputs))
 
 
-@router.post("/forward_only")
+@router.post("/forward_only", response_model=described_by(FutureHandle))
 async def forward_only(body: InputsBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     await _check_vocabulary(ctx, tenant, body)
     payload = {"inputs": body.inputs, "loss_kwargs": body.loss_kwargs or {}, "disable_lora": body.disable_lora}
@@ -163,33 +162,33 @@ async def forward_only(body: InputsBody, ctx: Ctx, tenant: Tenant, policy: Polic
                          input_tokens=_input_tokens(body.inputs))
 
 
-@router.post("/clip_grad_and_step")
+@router.post("/clip_grad_and_step", response_model=described_by(FutureHandle))
 async def clip_grad_and_step(body: StepBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     return await _submit(ctx, tenant, policy, body.model_id, Op.CLIP_GRAD_AND_STEP,
                          {"max_grad_norm": body.max_grad_norm})
 
 
-@router.post("/calculate_metric")
+@router.post("/calculate_metric", response_model=described_by(FutureHandle))
 async def calculate_metric(body: MetricBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     return await _submit(ctx, tenant, policy, body.model_id, Op.CALCULATE_METRIC, {"is_training": body.is_training})
 
 
-@router.post("/get_train_configs")
+@router.post("/get_train_configs", response_model=described_by(FutureHandle))
 async def get_train_configs(body: ModelBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     return await _submit(ctx, tenant, policy, body.model_id, Op.GET_TRAIN_CONFIGS, None)
 
 
-@router.post("/save")
+@router.post("/save", response_model=described_by(FutureHandle))
 async def save(body: SaveBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     req = SaveRequest(name=validate_name(body.name), kind=body.kind,  # type: ignore[arg-type]
                       include_optimizer=body.save_optimizer, overwrite=True,
                       consumed_train_samples=body.consumed_train_samples)
     op = Op.SAVE_STATE if body.kind == "weights" else Op.SAVE_WEIGHTS_FOR_SAMPLER
     record = await ctx.store.model(body.model_id, tenant)
-    return {"request_id": await submit_save(ctx, tenant, policy, record, op, req), "model_id": record.model_id}
+    return {"request_id": await checkpoints.save(ctx, tenant, policy, record, op, req), "model_id": record.model_id}
 
 
-@router.post("/resume_from_checkpoint")
+@router.post("/resume_from_checkpoint", response_model=described_by(FutureHandle))
 async def resume_from_checkpoint(body: ResumeBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     ref = parse_checkpoint_path(body.path)
     ctx.checkpoints.existing(tenant, ref)
@@ -200,7 +199,7 @@ async def resume_from_checkpoint(body: ResumeBody, ctx: Ctx, tenant: Tenant, pol
     return await _submit(ctx, tenant, policy, body.model_id, Op.LOAD_STATE, req)
 
 
-@router.post("/upload_to_hub")
+@router.post("/upload_to_hub", response_model=described_by(FutureHandle))
 async def upload_to_hub(body: UploadBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     ctx.checkpoints.existing(tenant, parse_checkpoint_path(body.checkpoint_dir))
     payload = {"checkpoint_path": body.checkpoint_dir, "hub_model_id": body.hub_model_id,
@@ -208,21 +207,21 @@ async def upload_to_hub(body: UploadBody, ctx: Ctx, tenant: Tenant, policy: Poli
     return await _submit(ctx, tenant, policy, body.model_id, Op.UPLOAD_TO_HUB, payload)
 
 
-@router.get("/capacity_info")
+@router.get("/capacity_info", response_model=described_by(CapacityInfo))
 async def capacity_info(ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     models = []
     for app in ctx.config.model_apps():
         served = ctx.catalog.by_app(app.name)
         used = 0
         for queue in served.model_queues if served else []:
-            used += int(await ctx.store.r.scard(ctx.keys.pool_adapters(queue)) or 0)
+            used += await ctx.pools.resident_adapters(queue)
         max_loras = app.args.adapter_config.max_loras * (len(served.model_queues) if served else 1)
         models.append({"model_name": served.name if served else app.name, "max_loras": max_loras,
                        "used_loras": used, "free_loras": max(0, max_loras - used)})
     return {"models": models}
 
 
-@router.post("/encode")
+@router.post("/encode", response_model=described_by(FutureHandle))
 async def encode(body: EncodeBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     apps = ctx.config.processor_apps()
     if not apps:

@@ -30,8 +30,8 @@ def writes(r: aioredis.Redis, per_key: int = 2) -> CheckpointWrites:
 async def submitted(w: CheckpointWrites, owner: str, status: str = "queued") -> str:
     rid = new_request_id()
     await w.reserve(owner, rid)
-    await w.r.hset(w.keys.future(rid), mapping={"status": status, "owner": owner})
-    await w.r.expire(w.keys.future(rid), 60)
+    await w.ledger.r.hset(w.keys.future(rid), mapping={"status": status, "owner": owner})
+    await w.ledger.r.expire(w.keys.future(rid), 60)
     return rid
 
 

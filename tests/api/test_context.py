@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 from api.context import ApiContext
+from api.pool_state import PoolState
 from api.store import Store
 from tests.harness import async_redis
 from twinkle.catalog import ServedModel
@@ -17,7 +18,8 @@ from twinkle.keys import Keys
 def context(r: Any, keys: Keys) -> ApiContext:
     store = Store(r, keys, None, future_ttl=60, session_ttl=60)  # type: ignore[arg-type]
     return ApiContext(config=None, store=store, hub=None, catalog=None, keys=keys, auth=None,  # type: ignore[arg-type]
-                      checkpoints=None, limiter=None, quotas=None)  # type: ignore[arg-type]
+                      checkpoints=None, limiter=None, quotas=None, pools=PoolState(r, keys),  # type: ignore[arg-type]
+                      stability=None, usage_history=None)  # type: ignore[arg-type]
 
 
 async def test_a_pools_model_info_is_read_once_a_second_and_not_before_it_was_published() -> None:

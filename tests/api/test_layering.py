@@ -56,7 +56,7 @@ def is_route_module(name: str) -> bool:
 def test_the_api_package_is_found_and_its_imports_are_read() -> None:
     imports = imports_by_module()
     assert "api.app" in imports and "api.routes.futures" in imports["api.app"]
-    assert "api.services.futures" in imports["api.openai.routes"]  # a top-level import is seen
+    assert "api.services.sampling" in imports["api.openai.routes"]  # a top-level import is seen
 
 
 def test_no_module_but_the_app_imports_from_api_routes() -> None:
@@ -75,4 +75,56 @@ def test_the_openai_routes_and_the_console_import_no_api_routes_module() -> None
 def test_no_route_module_of_any_protocol_is_imported_but_by_the_app() -> None:
     offenders = {module: sorted(name for name in names if is_route_module(name) and name != module)
                  for module, names in imports_by_module().items() if module not in APP_MODULES}
+    assert {module: names for module, names in offenders.items() if names} == {}
+
+
+# The storage layer: the only api modules that import redis, hold a client or send it commands. Routes, services,
+# the console, the OpenAI endpoint and the codecs ask these, never Redis.
+STORAGE_LAYER = frozenset({
+    "api.store",  # sessions, models and runs, checkpoint indexes, futures
+    "api.redis_client",  # the clients the app builds, and the errors that mean the broker is down
+    "api.pool_state",  # what the pools publish and hold
+    "api.reservations",  # pools held by full-parameter runs, read with the client its callers hand it
+    "api.stability_records",  # sample requests recorded for stable_reinforce
+    "api.usage_history",  # the usage ledger, for reports
+    "api.quotas",
+    "api.ratelimit",
+    "api.hub",
+    "api.lost_futures",
+    "api.checkpoint_writes",
+})
+CLIENT_CALLS = frozenset({"pipeline", "pubsub", "register_script"})  # what only a Redis client answers
+
+
+def redis_uses(path: Path) -> Iterator[str]:
+    """Where a module imports redis, reaches a client (`<anything>.r`) or asks one for a pipeline, a pub/sub
+    connection or a script."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (f"line {node.lineno}: import {alias.name}" for alias in node.names
+                        if alias.name.split(".")[0] == "redis")
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "redis":
+            yield f"line {node.lineno}: from {node.module} import"
+        elif isinstance(node, ast.Attribute) and node.attr == "r":
+            yield f"line {node.lineno}: {ast.unparse(node)}"
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in CLIENT_CALLS):
+            yield f"line {node.lineno}: {ast.unparse(node.func)}()"
+
+
+def test_every_storage_layer_module_exists() -> None:
+    assert set(imports_by_module()) >= STORAGE_LAYER
+
+
+def test_redis_is_reached_only_through_the_storage_layer() -> None:
+    offenders = {module_name(path): list(redis_uses(path)) for path in sorted(API.rglob("*.py"))
+                 if module_name(path) not in STORAGE_LAYER}
+    assert {module: uses for module, uses in offenders.items() if uses} == {}
+
+
+def test_the_services_import_no_protocol_module() -> None:
+    protocols = ("api.routes", "api.openai", "api.console", "api.tinker_codec")
+    offenders = {module: sorted(name for name in names if name in protocols or name.startswith(
+                     tuple(f"{p}." for p in protocols)))
+                 for module, names in imports_by_module().items() if module.startswith("api.services")}
     assert {module: names for module, names in offenders.items() if names} == {}

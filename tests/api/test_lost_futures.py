@@ -12,9 +12,9 @@ import redis.asyncio as aioredis
 
 from api.lost_futures import LostFutures
 from tests.harness import REDIS_HOST, REDIS_PORT, require_redis
-from twinkle.broker import UNACKED
 from twinkle.futures import FutureRecord, FutureStatus, new_request_id
 from twinkle.keys import Keys
+from twinkle.ledger.messages import UNACKED
 
 OLD_RUN, NEW_RUN = "a" * 40, "b" * 40
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from api.app import redis_client
+from api.redis_client import redis_client
 from tests.private_redis import PrivateRedis
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from api.pool_state import PoolState
 from api.slots import waiting_for_slot
 from tests.harness import REDIS_HOST, REDIS_PORT, mock_config, require_redis
 from twinkle.catalog import Catalog
@@ -27,7 +28,7 @@ async def ctx(tmp_path: Path) -> AsyncIterator[Any]:
     r = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=1)
     keys = Keys(f"test-slots-{uuid.uuid4().hex[:8]}:")  # db 1 is shared: a prefix of our own
     config = parse_config(mock_config(tmp_path, tmp_path / "checkpoints", port=1, db=1, max_loras=2))
-    yield SimpleNamespace(catalog=Catalog(config), store=SimpleNamespace(r=r), keys=keys)
+    yield SimpleNamespace(catalog=Catalog(config), pools=PoolState(r, keys), keys=keys, redis=r)
     await r.delete(keys.pool_adapters(QUEUE))
     await r.aclose()
 
@@ -38,15 +39,15 @@ def queued(model_id: str, status: FutureStatus = FutureStatus.QUEUED) -> FutureR
 
 
 async def test_a_queued_op_of_a_paged_out_adapter_waits_for_a_slot_when_every_slot_holds_another(ctx: Any) -> None:
-    await ctx.store.r.sadd(ctx.keys.pool_adapters(QUEUE), "a", "b")
+    await ctx.redis.sadd(ctx.keys.pool_adapters(QUEUE), "a", "b")
     reason = await waiting_for_slot(ctx, queued("c"))
     assert reason is not None and "all 2 LoRA slots" in reason and "paged in when its turn comes" in reason
 
 
 async def test_an_op_does_not_wait_for_a_slot_when_its_adapter_is_resident_or_a_slot_is_free(ctx: Any) -> None:
-    await ctx.store.r.sadd(ctx.keys.pool_adapters(QUEUE), "a")
+    await ctx.redis.sadd(ctx.keys.pool_adapters(QUEUE), "a")
     assert await waiting_for_slot(ctx, queued("c")) is None  # one slot free
-    await ctx.store.r.sadd(ctx.keys.pool_adapters(QUEUE), "b")
+    await ctx.redis.sadd(ctx.keys.pool_adapters(QUEUE), "b")
     assert await waiting_for_slot(ctx, queued("a")) is None  # resident
     assert await waiting_for_slot(ctx, queued("c", FutureStatus.RUNNING)) is None  # it got its slot
 

@@ -177,3 +177,37 @@ async def test_results_read_with_their_records_and_never_asked_for_are_let_go(st
     await store.r.delete(store.keys.blob_out(oldest))
     with pytest.raises(Expired):
         await store.result(oldest)
+
+
+def unloaded_run(owner: str, run_id: str) -> ModelRecord:
+    return ModelRecord(model_id=run_id, owner=owner, session_id="", base_model="tiny", app="", queue="", lora={},
+                       created_at=1.0, last_request_at=1.0, status="unloaded")
+
+
+async def test_a_run_made_of_checkpoints_is_listed_with_its_index_entries_and_holds_no_slot(store: Store) -> None:
+    entry = {"checkpoint_id": "weights/a", "tinker_path": "tinker://copy-1/weights/a", "time": 1.0}
+    await store.add_unloaded_run(unloaded_run("alice", "copy-1"), {"weights/a": entry},
+                                 answer=(store.keys.idempotency("alice", "k"), entry["tinker_path"], 60))
+    assert [run.model_id for run in await store.list_runs("alice")] == ["copy-1"]
+    assert await store.checkpoints("copy-1") == [entry]
+    assert await store.idempotent_answer(store.keys.idempotency("alice", "k")) == "tinker://copy-1/weights/a"
+    assert not await store.r.smembers(store.keys.owner_models("alice"))  # counts against no model limit
+
+
+async def test_a_checkpoints_index_entry_is_written_read_and_deleted(store: Store) -> None:
+    assert await store.checkpoint_entry("run-1", "weights/a") is None
+    await store.put_checkpoint_entry("run-1", "weights/a", {"public": True})
+    assert await store.checkpoint_entry("run-1", "weights/a") == {"public": True}
+    await store.delete_checkpoint_entry("run-1", "weights/a")
+    assert await store.checkpoint_entry("run-1", "weights/a") is None
+
+
+async def test_a_dedupe_record_is_forgotten_only_when_its_future_failed_or_is_gone(store: Store) -> None:
+    for status, kept in (("running", True), ("failed", False)):
+        await store.r.set(store.keys.dedupe("scope", 1), "r1")
+        await store.r.hset(store.keys.future("r1"), "status", status)
+        await store.forget_failed_dedupe("scope", 1)
+        assert bool(await store.r.exists(store.keys.dedupe("scope", 1))) is kept
+    await store.r.set(store.keys.dedupe("scope", 1), "gone")
+    await store.forget_failed_dedupe("scope", 1)
+    assert not await store.r.exists(store.keys.dedupe("scope", 1))

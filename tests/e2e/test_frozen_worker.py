@@ -24,7 +24,7 @@ from tests.e2e.test_recovery import eventually, private_server, stop
 from tests.harness import LaunchedServer
 from twinkle import liveness
 from twinkle.backlog import BacklogKeys
-from twinkle.broker import UNACKED
+from twinkle.ledger.messages import UNACKED
 from twinkle.liveness import Liveness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

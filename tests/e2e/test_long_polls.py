@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
-from api.app import REDIS_CONNECTIONS
+from api.redis_client import REDIS_CONNECTIONS
 from tests.harness import LaunchedServer, free_port, mock_config
 from tests.private_redis import PrivateRedis
 from twinkle import blobs

@@ -15,9 +15,9 @@ import pytest
 import redis
 
 from tests.private_redis import PrivateRedis
-from twinkle.broker import UNACKED, UNACKED_INDEX
 from twinkle.errors import PoolLeaseHeld
 from twinkle.keys import Keys
+from twinkle.ledger.messages import UNACKED, UNACKED_INDEX
 from twinkle.pool_lease import PoolLease, restore_if_vacant
 
 QUEUE = "model.pool.0"

@@ -14,10 +14,10 @@ import redis
 
 from twinkle import blobs
 from twinkle.backlog import BacklogKeys, Parked
-from twinkle.broker import UNACKED, UNACKED_INDEX, handover_key
 from twinkle.celery_app import make_celery, task_name
 from twinkle.futures import FutureRecord, FutureStatus
 from twinkle.keys import Keys
+from twinkle.ledger.messages import UNACKED, UNACKED_INDEX, handover_key
 from twinkle.queued_ops import Failure, QueuedOps, created_ms
 
 KEYS = Keys("")

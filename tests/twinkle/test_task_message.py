@@ -11,8 +11,8 @@ import redis
 from celery.contrib.testing.worker import start_worker
 
 from tests.private_redis import PrivateRedis
-from twinkle.broker import UNACKED
 from twinkle.celery_app import make_celery, task_name
+from twinkle.ledger.messages import UNACKED
 from twinkle.task_message import task_message
 
 QUEUE = "model.task-message-test.0"

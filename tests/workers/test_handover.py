@@ -13,8 +13,8 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from tests.private_redis import PrivateRedis
-from twinkle.broker import UNACKED, UNACKED_INDEX, handover_key, restore_unacked
 from twinkle.celery_app import make_celery
+from twinkle.ledger.messages import UNACKED, UNACKED_INDEX, handover_key, restore_unacked
 
 QUEUE = "model.handover-test.0"
 

@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from tests.private_redis import PrivateRedis
-from twinkle.broker import UNACKED, UNACKED_INDEX
 from twinkle.keys import Keys
+from twinkle.ledger.messages import UNACKED, UNACKED_INDEX
 from twinkle.pool_lease import PoolLease
 from workers.orphans import OrphanSweep
 

@@ -13,7 +13,8 @@ or wedged in native code holding the interpreter. The launcher reads each worker
 - the file has not been rewritten for STALL_SECONDS (the process is not running at all).
 
 The running ops of a queue are the ones its worker holds (kombu's unacked hash, read on the Redis server,
-twinkle.queued_ops) whose records say `running`. They are read only while the file is silent, so a live worker
+twinkle.queued_ops) whose records say `running`; their records are read, and failed, through the ledger
+(twinkle.ledger.lifecycle). They are read only while the file is silent, so a live worker
 costs the broker nothing, and an outage of Redis never looks like a hang (no records, no verdict from them).
 
 The op it was running then fails with `execution_timeout` (so its long-poll answers), and the supervisor
@@ -29,8 +30,8 @@ import time
 import redis
 
 from twinkle.errors import OpTimedOut
-from twinkle.futures import FutureStatus
 from twinkle.keys import Keys
+from twinkle.ledger import SyncLedger, lifecycle
 from twinkle.liveness import Liveness
 from twinkle.pool_lease import read_holder
 from twinkle.queued_ops import QueuedOps
@@ -56,6 +57,7 @@ class HangWatch:
         self.grace_seconds = grace_seconds
         self.record_check_seconds = record_check_seconds
         self.ops = QueuedOps(r, keys, ttl=0)  # reads only
+        self.ledger = SyncLedger(r)
         self._records_read: dict[str, float] = {}  # queue -> when its running ops were last read (monotonic)
 
     def verdict(self, beat: Liveness, now: float | None = None, *, queue: str = "", since: float = 0.0) -> str:
@@ -84,18 +86,13 @@ class HangWatch:
         limit = beat.execution_timeout
         try:
             ids = list(dict.fromkeys([*([beat.current] if beat.current else []), *self.ops.held([queue])[queue]]))
-            pipe = self.r.pipeline(transaction=False)
-            for rid in ids:
-                pipe.hmget(self.keys.future(rid), "status", "started_at", "op")
-            records = pipe.execute()
+            running = self.ledger.run(lifecycle.running(self.keys, ids))
         except redis.RedisError:
             return ""  # no records now; the liveness file's rules still hold
-        for rid, (status, started_raw, op) in zip(ids, records, strict=True):
-            if status != FutureStatus.RUNNING.value.encode():
-                continue
-            started = float(started_raw or 0)
+        for rid, began in running.items():
+            started = began.started_at
             if started >= since and now - started > limit + self.grace_seconds and beat.t < started + limit:
-                name = op.decode() if op else "an op"
+                name = began.op or "an op"
                 return (f"{name} {rid} began {now - started:.0f} s ago, past this pool's execution_timeout of "
                         f"{limit:g} s, and the worker showed no sign of life since")
         return ""
@@ -122,26 +119,13 @@ class HangWatch:
     def _running_on(self, queue: str) -> list[str]:
         if not queue:
             return []
-        ids = self.ops.held([queue])[queue]
-        statuses = [self.r.hget(self.keys.future(rid), "status") for rid in ids]
-        return [rid for rid, status in zip(ids, statuses, strict=True) if status == b"running"]
+        running = self.ledger.run(lifecycle.running(self.keys, self.ops.held([queue])[queue]))
+        return list(running)
 
     def _fail(self, rid: str, op: str, why: str) -> bool:
         error = OpTimedOut(f"{op or 'The op'} was abandoned because its worker hung ({why}); the pool "
                            "is restarting.",
                            hint="Retry it; if it hangs again, use a smaller batch or ask the operator to look "
                                 "at the pool's log.")
-        failed = self.r.eval(_FAIL_IF_PENDING, 1, self.keys.future(rid), time.time(), str(error), error.code,
-                             self.keys.done_channel(rid))
-        return bool(failed)
+        return self.ledger.run(lifecycle.fail_if_pending(self.keys, rid, str(error), error.code))
 
-
-# KEYS: future. ARGV: now, error, code, done channel. Never creates a record, never overwrites an outcome.
-_FAIL_IF_PENDING = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'completed' or status == 'failed' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[2], 'category', 'server', 'code', ARGV[3],
-           'finished_at', ARGV[1])
-redis.call('PUBLISH', ARGV[4], 'failed')
-return 1
-"""

@@ -6,14 +6,13 @@ no values loaded) and one LLEN per queue plus one read of kombu's small unacked 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import redis
 
-from twinkle.broker import UNACKED
 from twinkle.keys import Keys
+from twinkle.ledger import messages
 
 SCAN_BATCH = 1000
 Keep = Callable[[bytes | None], bool]
@@ -62,14 +61,11 @@ def queue_depths(r: redis.Redis, queues: Iterable[str]) -> dict[str, int]:
     pipe = r.pipeline(transaction=False)
     for queue in names:
         pipe.llen(queue)
-    pipe.hvals(UNACKED)
-    *lengths, unacked = pipe.execute()
+    delivered = messages.deliveries_by_queue()
+    delivered.stage(pipe)
+    *lengths, held = pipe.execute()
     depths = dict(zip(names, (int(n) for n in lengths), strict=True))
-    for raw in unacked:
-        try:
-            routing_key = json.loads(raw)[2]
-        except (ValueError, IndexError, TypeError):
-            continue
-        if routing_key in depths:
-            depths[routing_key] += 1
+    for queue, count in delivered.decode([held]).items():
+        if queue in depths:
+            depths[queue] += count
     return depths

@@ -14,9 +14,9 @@ import redis
 from tests.harness import REDIS_HOST, REDIS_PORT, require_redis
 from tests.private_redis import PrivateRedis
 from twinkle import liveness
-from twinkle.broker import UNACKED
 from twinkle.futures import FutureRecord, FutureStatus
 from twinkle.keys import Keys
+from twinkle.ledger.messages import UNACKED
 from twinkle.liveness import Liveness
 from twinkle.server.hang_watch import HangWatch
 

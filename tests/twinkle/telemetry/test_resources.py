@@ -6,8 +6,8 @@ import json
 
 import redis
 
-from twinkle.broker import UNACKED
 from twinkle.keys import Keys
+from twinkle.ledger.messages import UNACKED
 from twinkle.telemetry.resources import count_resources, queue_depths
 
 

@@ -1,0 +1,37 @@
+"""The ledger on an asyncio client: the API."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+
+from twinkle.ledger.call import Call
+
+T = TypeVar("T")
+
+
+class AsyncLedger:
+    def __init__(self, r: aioredis.Redis) -> None:
+        self.r = r
+        self._scripts: dict[str, AsyncScript] = {}
+
+    async def run(self, call: Call[T]) -> T:
+        """One round trip: the script (EVALSHA, loaded once when the server lacks it), the one command, or the
+        commands in one pipeline."""
+        if call.script:
+            return call.decode(await self._registered(call.script)(keys=call.keys, args=call.args))
+        if len(call.commands) == 1 and not call.atomic:
+            return call.decode([await self.r.execute_command(*call.commands[0])])
+        pipe = self.r.pipeline(transaction=call.atomic)
+        for command in call.commands:
+            pipe.execute_command(*command)
+        replies: list[Any] = await pipe.execute()
+        return call.decode(replies)
+
+    def _registered(self, source: str) -> AsyncScript:
+        registered = self._scripts.get(source)
+        if registered is None:
+            registered = self._scripts[source] = self.r.register_script(source)
+        return registered
