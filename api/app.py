@@ -129,7 +129,7 @@ def create_app(config: ServerConfig, broker_url: str, *, long_poll_seconds: floa
     app.include_router(console_routes.router)  # /console
     setup_api_telemetry(app, config)
     # innermost: parks retrieve_future polls after the body checks, before the framework builds a request
-    app.add_middleware(LongPolls, ctx=ctx, path=f"{prefix}/retrieve_future", answer_failed=not config.telemetry.enabled)
+    app.add_middleware(LongPolls, ctx=ctx, path=f"{prefix}/retrieve_future", answer_ended=not config.telemetry.enabled)
     app.add_middleware(BodyLimit, max_bytes=config.storage.max_request_bytes,
                        max_control_bytes=config.storage.max_control_request_bytes,
                        max_upload_bytes=config.storage.max_adapter_upload_bytes)

@@ -9,6 +9,7 @@ non-finite float goes out as the string "NaN", "Infinity" or "-Infinity": the SD
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -30,9 +31,18 @@ def finite_json(value: Any) -> Any:
     return value
 
 
+def finite_json_bytes(content: Any) -> bytes:
+    """`content` written as Starlette's JSONResponse writes it, non-finite floats as their strings."""
+    try:
+        return _json_bytes(content)
+    except ValueError:  # "Out of range float values are not JSON compliant": the rare slow path
+        return _json_bytes(finite_json(content))
+
+
+def _json_bytes(content: Any) -> bytes:
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+
+
 class FiniteJSONResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
-        try:
-            return super().render(content)
-        except ValueError:  # "Out of range float values are not JSON compliant": the rare slow path
-            return super().render(finite_json(content))
+        return finite_json_bytes(content)

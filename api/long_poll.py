@@ -9,13 +9,15 @@ instead, after the body's size and depth checks and before routing, holding the 
 `Waiter`; once the future ended (or the long-poll's time ran out) it hands the request to the app, whose
 route answers from the record the wait ended with (`parked_poll`) rather than waiting again.
 
-It answers one kind of poll itself: a future that failed, whose answer is three fields of its record. Those
-come in floods (a lost adapter's thousands of queued ops fail together, workers.lost_adapters), and answered
-through the framework each costs the API a millisecond of CPU that other tenants' requests wait behind. Every
-other answer comes from the route. A request it cannot read as a valid poll of a known caller (a body that does
-not parse or validate, no key or an unknown one, a future the caller cannot see, a broker that fails) goes to
-the app at once, which answers it as it would have (400, 401, 404, 503, ...). A wait that ends in an error
-passes the remaining time on, so the route waits no longer than the poll would have.
+It answers the poll of a future that ended itself, with the bytes the route would send (api/future_answer.py):
+its result, or the three fields of a failure. Every training step ends in such polls, two of the four requests
+the Tinker SDK sends a step, and failures come in floods (a lost adapter's thousands of queued ops fail
+together, workers.lost_adapters); through the framework each would cost the routing, the dependencies and the
+body's validation again, CPU that other tenants' requests wait behind. A `try_again` comes from the route.
+A request it cannot read as a valid poll of a known caller (a body that does not parse or validate, no key or an
+unknown one, a future the caller cannot see, a broker that fails) goes to the app at once, which answers it as it
+would have (400, 401, 404, 503, ...). A wait that ends in an error passes the remaining time on, so the route
+waits no longer than the poll would have.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from api.context import ApiContext
+from api.finite_json import finite_json_bytes
+from api.future_answer import JSON, accepts_protobuf, failed_answer, result_answer
 from api.schemas import RetrieveFutureBody
 from twinkle.auth import key_from_headers
 from twinkle.errors import TwinkleError
@@ -91,11 +95,11 @@ def parked_poll(scope: Scope, request_id: str, tenant: str) -> ParkedPoll | None
 class LongPolls:
     """ASGI middleware: parks `POST <path>` (retrieve_future) until its future ended, then passes it on."""
 
-    def __init__(self, app: App, *, ctx: ApiContext, path: str, answer_failed: bool = True) -> None:
+    def __init__(self, app: App, *, ctx: ApiContext, path: str, answer_ended: bool = True) -> None:
         self.app = app
         self.ctx = ctx
         self.path = path
-        self.answer_failed = answer_failed  # False where telemetry links each poll's span to its op's trace
+        self.answer_ended = answer_ended  # False where telemetry links each poll's span to its op's trace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
@@ -116,8 +120,7 @@ class LongPolls:
                 record = await await_future(self.ctx, request_id, tenant, self.ctx.long_poll_seconds)
             except Exception:  # noqa: BLE001 - the route meets the same error and answers it
                 record = None
-            if record is not None and record.state is FutureStatus.FAILED and self.answer_failed:
-                await _answer_failed(scope, send, record, tenant)
+            if record is not None and self.answer_ended and await self._answer_ended(scope, send, record, tenant):
                 return
             scope.setdefault("state", {})[STATE_KEY] = ParkedPoll(request_id, tenant, record, deadline)
         await self.app(scope, _replay(first, receive), send)
@@ -142,18 +145,33 @@ class LongPolls:
         return request_id, tenant
 
 
-def failed_answer(record: FutureRecord) -> dict[str, Any]:
-    """What a poll of a failed future answers (200: the poll worked; the op failed)."""
-    return {"error": record.error, "category": record.category or "server", "code": record.code}
+    async def _answer_ended(self, scope: Scope, send: Send, record: FutureRecord, tenant: str) -> bool:
+        """Answer the poll of a future that ended, as the route would (same status, headers and bytes); False,
+        answering nothing, for one still pending or a result the broker cannot give now (the route meets the
+        same error and answers it)."""
+        if record.state is FutureStatus.FAILED:
+            body, media_type = finite_json_bytes(failed_answer(record)), JSON
+        elif record.state is FutureStatus.COMPLETED:
+            try:
+                result = await self.ctx.store.result(record.request_id)
+            except Exception:  # noqa: BLE001 - see above
+                return False
+            body, media_type = result_answer(record, result, protobuf=accepts_protobuf(_header(scope, b"accept")))
+        else:
+            return False
+        scope.setdefault("state", {})["tenant"] = tenant  # for the access log, as the route's auth dependency sets it
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode()), (b"content-type", media_type.encode())]})
+        await send({"type": "http.response.body", "body": body})
+        return True
 
 
-async def _answer_failed(scope: Scope, send: Send, record: FutureRecord, tenant: str) -> None:
-    """The route's answer to the poll of a failed future, byte for byte as FastAPI's JSONResponse renders it."""
-    scope.setdefault("state", {})["tenant"] = tenant  # for the access log, as the route's auth dependency sets it
-    body = json.dumps(failed_answer(record), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body})
+def _header(scope: Scope, name: bytes) -> str:
+    """The first value of header `name`, as Starlette's `request.headers.get` reads it ("" when absent)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return ""
 
 
 def _replay(first: Message, receive: Receive) -> Receive:

@@ -14,17 +14,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import redis
 import uvicorn
+from fastapi.encoders import jsonable_encoder
 
+from api import long_poll
 from api.app import create_app
+from api.finite_json import FiniteJSONResponse
+from api.future_answer import result_answer
 from tests.harness import REDIS_HOST, REDIS_PORT, free_port, require_redis
 from twinkle import blobs
 from twinkle.auth import tenant_id
 from twinkle.config import parse_config
 from twinkle.futures import FutureRecord, new_request_id
 from twinkle.keys import Keys
+from twinkle.types import ForwardBackwardOutput, SampledSequence, SampleOutput
 
 KEY = "tml-long-poll"
 LONG_POLL_SECONDS = 1.5
@@ -167,3 +173,44 @@ async def test_a_parked_poll_of_a_future_that_fails_is_answered_byte_for_byte_as
     assert by_middleware.json() == {"error": "Model m was unloaded — ü.", "category": "user", "code": "adapter_gone"}
     assert by_middleware.headers["content-type"] == by_route.headers["content-type"]
     assert by_middleware.headers.get("x-request-id") and served.parked == 0
+
+
+RESULTS = {
+    "forward_backward": (ForwardBackwardOutput([{"logprobs": np.array([-0.5, float("nan")], dtype=np.float32)}],
+                                               {"loss:sum": 1.25}), "forward_backward"),
+    "sample": (SampleOutput([SampledSequence([5, 6], [-0.1, -0.2], "length")], prompt_logprobs=[None, -1.5],
+                            prompt_length=2), "sample"),
+    "optim_step with a diverged metric": ({"metrics": {"grad_norm": float("inf"), "lr": 1e-4}}, "optim_step"),
+    "save_state": ({"path": "tinker://run/weights/w1"}, "save_state"),
+}
+
+
+@pytest.mark.parametrize("accept", ["application/x-protobuf", "application/json"])
+@pytest.mark.parametrize("kind", sorted(RESULTS))
+async def test_a_parked_poll_of_a_future_that_completes_is_answered_byte_for_byte_as_the_route_answers_it(
+        served: Served, kind: str, accept: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    result, op = RESULTS[kind]
+    answered_here: list[str] = []
+    monkeypatch.setattr(long_poll, "result_answer", lambda record, *a, **kw: (
+        answered_here.append(record.request_id), result_answer(record, *a, **kw))[1])
+    rid = served.queued_future()
+    served.redis.hset(served.keys.future(rid), "op", op)
+    parked = asyncio.create_task(served.http.post("/retrieve_future", json={"request_id": rid},
+                                                  headers={"Accept": accept}))
+    await served.until_parked(1)
+    served.redis.set(served.keys.blob_out(rid), blobs.dumps(result))
+    served.redis.hset(served.keys.future(rid), "status", "completed")
+    served.redis.publish(served.keys.done_channel(rid), "completed")
+    by_middleware = await parked
+    assert answered_here == [rid]  # by the middleware itself, not passed on to the route
+    by_route = await served.http.post("/retrieve_future", content=f'{{"request_id": "{rid}"}}'.encode(),
+                                      headers={"Content-Type": "application/merge-patch+json", "Accept": accept})
+    assert by_middleware.status_code == by_route.status_code == 200
+    assert by_middleware.content == by_route.content
+    assert by_middleware.headers["content-type"] == by_route.headers["content-type"]
+    assert by_middleware.headers["content-length"] == by_route.headers["content-length"]
+    if isinstance(result, dict):  # what the route answered before it shared its rendering with the middleware
+        assert by_middleware.content == FiniteJSONResponse(
+            jsonable_encoder({**result, "type": {"save_state": "save_weights"}.get(op, op)})).body
+    protobuf = accept == "application/x-protobuf" and kind in ("forward_backward", "sample")
+    assert by_middleware.headers["content-type"] == ("application/x-protobuf" if protobuf else "application/json")
