@@ -27,6 +27,9 @@ from twinkle.ledger import AsyncLedger, lifecycle, messages, queued
 from twinkle.queue_timeouts import MARGIN_SECONDS, queue_timeout_error
 
 RECHECK_SECONDS = 0.5
+# How long a pool's worker start time, read from its heartbeat, is reused: every poll of a queued op asks it, and
+# a restart is seen this much later at most (a parked poll's record is read again on the hub's re-read anyway).
+WORKER_START_REUSE_SECONDS = 0.5
 LOST_ERROR = ("The server's queue (Redis) restarted and lost this request before it ran. Submit it again; "
               "the model's state is unchanged by it.")
 
@@ -36,6 +39,7 @@ class LostFutures:
         self.ledger = AsyncLedger(r)
         self.keys = keys
         self.queue_timeouts: dict[str, float] = {}  # pool queue -> its queue_timeout (absent or 0: forever)
+        self._worker_starts: dict[str, tuple[float, float]] = {}  # pool queue -> (its worker's start, read at)
 
     async def check(self, record: FutureRecord, broker_run_id: str, *, broker_started_at: float = 0.0
                     ) -> FutureRecord:
@@ -54,7 +58,7 @@ class LostFutures:
         if not record.broker_run_id or not broker_run_id or record.broker_run_id == broker_run_id:
             if record.state is not FutureStatus.QUEUED:
                 return record
-            since = float((await self.ledger.run(messages.heartbeat(self.keys, record.queue))).get("since", 0))
+            since = await self._worker_start(record.queue)
             if not since or record.created_at >= since:
                 return record  # its worker was already running when it was submitted
             broker_run_id = record.broker_run_id or broker_run_id
@@ -74,6 +78,16 @@ class LostFutures:
                 if fresh.status != record.status:
                     return fresh  # it moved on (a worker took it, or it finished)
         return await self._fail(record)
+
+    async def _worker_start(self, queue: str) -> float:
+        """When the pool worker of `queue` started (0: no heartbeat), read at most every
+        WORKER_START_REUSE_SECONDS."""
+        known = self._worker_starts.get(queue)
+        if known is not None and time.monotonic() - known[1] < WORKER_START_REUSE_SECONDS:
+            return known[0]
+        since = float((await self.ledger.run(messages.heartbeat(self.keys, queue))).get("since", 0))
+        self._worker_starts[queue] = (since, time.monotonic())
+        return since
 
     def _past_queue_timeout(self, record: FutureRecord) -> bool:
         timeout = self.queue_timeouts.get(record.queue, 0.0)

@@ -107,10 +107,10 @@ class BacklogRelease:
                         self._unsend(tenant, released[index:])
                         raise
                     count += 1
+                if not released:  # and so no transit mark was set (RELEASE sets it only with what it releases)
+                    return count
                 # ops the API parked while these were in transit may fit now too
                 self.r.delete(self.keys.transit(self.queue, tenant))
-                if not released:
-                    return count
 
     def _unsend(self, tenant: str, parked: list[Parked]) -> None:
         """Released ops whose messages could not be sent go back to the head of the key's backlog, in order."""
