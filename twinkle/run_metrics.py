@@ -22,6 +22,7 @@ import redis
 
 from twinkle.errors import TwinkleError
 from twinkle.futures import FutureRecord, Op
+from twinkle.script_batch import ScriptCall
 from twinkle.types import ForwardBackwardOutput
 
 log = logging.getLogger("twinkle.worker")
@@ -55,20 +56,18 @@ class RunMetrics:
         self.keys = keys
         self._append = r.register_script(_APPEND)
 
-    def record(self, rec: FutureRecord, result: Any) -> None:
-        """Append a finished op's metrics to its run; never raises (the op's result is already stored)."""
+    def call(self, rec: FutureRecord, result: Any) -> ScriptCall | None:
+        """The script call that appends a finished op's metrics to its run (None: the op reports none), for the
+        pool to send along with its other writes after the op (twinkle.script_batch)."""
         if not rec.model_id or rec.op not in RECORDED_OPS:
-            return
+            return None
         steps = rec.op in STEP_OPS and not (isinstance(result, dict) and result.get("stepped") is False)
         metrics = op_metrics(result)
         if not metrics and not steps:
-            return
+            return None
         entry = json.dumps({"op": rec.op, "t": round(time.time(), 3), "metrics": metrics}, separators=(",", ":"))
-        try:
-            self._append(keys=[self.keys.model(rec.model_id), self.keys.run_metrics(rec.model_id)],
-                         args=[int(steps), entry, MAX_ENTRIES])
-        except redis.RedisError as exc:
-            log.warning("metrics of %s not recorded: %s", rec.request_id, exc)
+        return ScriptCall(self._append, [self.keys.model(rec.model_id), self.keys.run_metrics(rec.model_id)],
+                          [int(steps), entry, MAX_ENTRIES])
 
     def record_failure(self, rec: FutureRecord, exc: TwinkleError) -> None:
         entry = json.dumps({"t": round(time.time(), 3), "op": rec.op, "queue": rec.queue, "owner": rec.owner,

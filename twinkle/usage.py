@@ -30,6 +30,7 @@ from typing import Any
 
 from twinkle.futures import FutureRecord, Op
 from twinkle.keys import Keys
+from twinkle.script_batch import ScriptCall
 from twinkle.types import ForwardBackwardInput, SampleOutput, SampleRequest, input_length
 
 # Every metered quantity, in the order reports list them.
@@ -182,13 +183,24 @@ class UsageLedger:
 
     def record(self, rec: FutureRecord, model: str, amounts: Mapping[str, int], at: float | None = None) -> bool:
         """Add the op's amounts unless this request id was counted before; True when they were added."""
+        call = self.call(rec, model, amounts, at)
+        return call is not None and recorded(call.script(keys=call.keys, args=call.args))
+
+    def call(self, rec: FutureRecord, model: str, amounts: Mapping[str, int], at: float | None = None
+             ) -> ScriptCall | None:
+        """The script call that adds the op's amounts once (None: nothing to add); its reply read by `recorded`."""
         if not amounts:
-            return False
+            return None
         keys, args = self.keys.record_call(rec, model, amounts, time.time() if at is None else at)
-        return bool(int(self._record(keys=keys, args=args)))
+        return ScriptCall(self._record, keys, args)
 
     def totals(self, tenant: str, period: str, at: float | None = None) -> dict[str, int]:
         return decode_hash(self.r.hgetall(self.keys.period(tenant, period, time.time() if at is None else at)))
+
+
+def recorded(reply: Any) -> bool:
+    """Whether a usage call's reply says it added the amounts (not counted before)."""
+    return bool(int(reply))
 
 
 def sum_amounts(rows: Iterable[Mapping[str, int]]) -> dict[str, int]:

@@ -33,8 +33,9 @@ from twinkle.queue_timeouts import queue_timeout_error
 from twinkle.queued_ops import QueuedOps
 from twinkle.records import ModelRecord
 from twinkle.run_metrics import RunMetrics
+from twinkle.script_batch import ScriptCall, run_together
 from twinkle.telemetry import annotate_op_span, record_usage, task_finished, task_started
-from twinkle.usage import SAVE_OPS, UsageLedger, amounts_for
+from twinkle.usage import SAVE_OPS, UsageLedger, amounts_for, recorded
 from workers.clock import Clock, FusedRunner, Job
 from workers.lost_adapters import LostAdapterOps
 
@@ -140,9 +141,8 @@ class PoolRuntime:
             self._release_if_never_created(op, rec, model, failure)
             self._meter_failed(rec, timing)
         else:
-            self._complete(rec, result)
-            self._meter(rec, amounts_for(op, args, result, seconds=timing.seconds,
-                                         checkpoint_bytes=self._checkpoint_bytes(op, result)))
+            self._complete(rec, result, amounts_for(op, args, result, seconds=timing.seconds,
+                                                    checkpoint_bytes=self._checkpoint_bytes(op, result)))
         finally:
             self.ops_done += 1
             log.debug("%s %s took %.1f ms", op, request_id, (time.perf_counter() - started) * 1000)
@@ -203,20 +203,28 @@ class PoolRuntime:
 
     # -- usage ---------------------------------------------------------------------------------
 
-    def _meter(self, rec: FutureRecord, amounts: dict[str, int]) -> None:
-        """Count what the op used (`twinkle.usage`); metering never fails an op that already finished."""
-        if self.ledger is None or not amounts:
+    def _record_after(self, rec: FutureRecord, metrics: ScriptCall | None, amounts: dict[str, int]) -> None:
+        """Append the op's run metrics and count what it used (`twinkle.usage`), both in one round trip; neither
+        ever fails an op that already ended."""
+        usage = self.ledger.call(rec, self.usage_model, amounts) if self.ledger is not None else None
+        calls = [call for call in (metrics, usage) if call is not None]
+        if not calls:
             return
         try:
-            if self.ledger.record(rec, self.usage_model, amounts):
-                record_usage(rec, self.usage_model, amounts)
+            replies = run_together(self.r, calls)
         except redis.RedisError:
-            log.warning("usage of %s %s not recorded: the broker is unreachable", rec.op, rec.request_id)
+            log.warning("metrics and usage of %s %s not recorded: the broker is unreachable", rec.op, rec.request_id)
+            return
+        for reply in replies:
+            if isinstance(reply, Exception):
+                log.warning("metrics or usage of %s %s not recorded: %s", rec.op, rec.request_id, reply)
+        if usage is not None and not isinstance(replies[-1], Exception) and recorded(replies[-1]):
+            record_usage(rec, self.usage_model, amounts)
 
     def _meter_failed(self, rec: FutureRecord, timing: _Timing) -> None:
         """A failed op that ran is charged the pool time it held, nothing else."""
         if timing.began:
-            self._meter(rec, {"pool_ms": round(timing.seconds * 1000)})
+            self._record_after(rec, None, {"pool_ms": round(timing.seconds * 1000)})
 
     def _checkpoint_bytes(self, op: str, result: Any) -> int:
         if op not in SAVE_OPS or not isinstance(result, dict) or not result.get("path"):
@@ -342,10 +350,11 @@ class PoolRuntime:
     def _lost(self, model_id: str, model: ModelRecord | None) -> TwinkleError:
         return lost_state_error(model_id, (model.last_checkpoint if model else "") or None)
 
-    def _complete(self, rec: FutureRecord, result: Any) -> None:
-        if self._finish(rec, FutureStatus.COMPLETED, blobs.dumps(result)):
+    def _complete(self, rec: FutureRecord, result: Any, amounts: dict[str, int]) -> None:
+        finished = self._finish(rec, FutureStatus.COMPLETED, blobs.dumps(result))
+        if finished:
             task_finished(rec, FutureStatus.COMPLETED, result=result)
-            self.metrics.record(rec, result)
+        self._record_after(rec, self.metrics.call(rec, result) if finished else None, amounts)
 
     def _fail(self, rec: FutureRecord, exc: TwinkleError) -> None:
         log.info("%s %s failed: %s", rec.op, rec.request_id, exc)

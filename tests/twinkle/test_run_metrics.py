@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -14,6 +15,7 @@ from twinkle.futures import FutureRecord, Op
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
 from twinkle.run_metrics import MAX_ENTRIES, RunMetrics, parse_entry, step_series
+from twinkle.script_batch import run_together
 from twinkle.types import ForwardBackwardOutput
 
 RUN = "s1:train:0"
@@ -32,6 +34,14 @@ def store() -> Iterator[tuple[redis.Redis, Keys]]:
     r.close()
 
 
+def record(metrics: RunMetrics, rec: FutureRecord, result: Any) -> None:
+    """What a pool does with a finished op's metrics: send the call along with its other writes."""
+    call = metrics.call(rec, result)
+    if call is not None:
+        (reply,) = run_together(metrics.r, [call])
+        assert not isinstance(reply, Exception), reply
+
+
 def op(kind: str, model_id: str = RUN) -> FutureRecord:
     return FutureRecord(request_id=uuid.uuid4().hex, op=kind, owner="t1", model_id=model_id, queue="q")
 
@@ -48,10 +58,10 @@ def test_forward_backward_counts_toward_the_step_its_gradients_go_into(store: tu
     r, keys = store
     metrics = RunMetrics(r, keys)
     for step_loss in (4.0, 3.0):
-        metrics.record(op(Op.FORWARD_BACKWARD), fb(step_loss))  # a batch in two chunks
-        metrics.record(op(Op.FORWARD_BACKWARD), fb(step_loss))
-        metrics.record(op(Op.OPTIM_STEP), {"metrics": {"grad_norm:mean": 1.5, "bad:mean": float("nan")}})
-    metrics.record(op(Op.FORWARD), fb(1.0))
+        record(metrics, op(Op.FORWARD_BACKWARD), fb(step_loss))  # a batch in two chunks
+        record(metrics, op(Op.FORWARD_BACKWARD), fb(step_loss))
+        record(metrics, op(Op.OPTIM_STEP), {"metrics": {"grad_norm:mean": 1.5, "bad:mean": float("nan")}})
+    record(metrics, op(Op.FORWARD), fb(1.0))
     series = step_series(entries(r, keys))
     assert series["loss:sum"] == [(1, 8.0), (2, 6.0)]  # chunks of one step add up (a sum reduction)
     assert series["tokens:mean"] == [(1, 3.0), (2, 3.0)]  # ... and means average
@@ -64,9 +74,9 @@ def test_forward_backward_counts_toward_the_step_its_gradients_go_into(store: tu
 def test_a_twinkle_accumulation_call_that_did_not_step_keeps_the_step(store: tuple[redis.Redis, Keys]) -> None:
     r, keys = store
     metrics = RunMetrics(r, keys)
-    metrics.record(op(Op.FORWARD_BACKWARD), {"loss": 2.0, "metrics": {"loss:sum": 20.0}, "logprobs": []})
-    metrics.record(op(Op.CLIP_GRAD_AND_STEP), {"stepped": False, "cur_step": 0, "grad_norm": None, "lr": 0.1})
-    metrics.record(op(Op.CLIP_GRAD_AND_STEP), {"stepped": True, "cur_step": 1, "grad_norm": 0.5, "lr": 0.1})
+    record(metrics, op(Op.FORWARD_BACKWARD), {"loss": 2.0, "metrics": {"loss:sum": 20.0}, "logprobs": []})
+    record(metrics, op(Op.CLIP_GRAD_AND_STEP), {"stepped": False, "cur_step": 0, "grad_norm": None, "lr": 0.1})
+    record(metrics, op(Op.CLIP_GRAD_AND_STEP), {"stepped": True, "cur_step": 1, "grad_norm": 0.5, "lr": 0.1})
     assert [(e["op"], e["step"]) for e in entries(r, keys)] == [
         ("forward_backward", 1), ("clip_grad_and_step", 1), ("clip_grad_and_step", 1)]
     assert step_series(entries(r, keys))["loss"] == [(1, 2.0)]
@@ -77,11 +87,11 @@ def test_the_list_is_capped_and_gone_runs_or_other_ops_leave_nothing(store: tupl
     metrics = RunMetrics(r, keys)
     pipe_ops = MAX_ENTRIES + 5
     for _ in range(pipe_ops):
-        metrics.record(op(Op.OPTIM_STEP), {"metrics": {"grad_norm:mean": 1.0}})
+        record(metrics, op(Op.OPTIM_STEP), {"metrics": {"grad_norm:mean": 1.0}})
     assert r.llen(keys.run_metrics(RUN)) == MAX_ENTRIES
     assert entries(r, keys)[-1]["step"] == pipe_ops
-    metrics.record(op(Op.FORWARD_BACKWARD, model_id="s9:train:0"), fb(1.0))
-    metrics.record(op(Op.SAMPLE), fb(1.0))
+    record(metrics, op(Op.FORWARD_BACKWARD, model_id="s9:train:0"), fb(1.0))
+    record(metrics, op(Op.SAMPLE), fb(1.0))
     assert not r.exists(keys.run_metrics("s9:train:0")) and not r.exists(keys.model("s9:train:0"))
 
 
