@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -48,6 +49,18 @@ async def async_redis(db: int) -> AsyncIterator[aioredis.Redis]:
         yield client
     finally:
         await client.aclose()
+
+
+@asynccontextmanager
+async def scratch_keys(db: int = 2) -> AsyncIterator[tuple[aioredis.Redis, Keys]]:
+    """An asyncio client and keys under a prefix of their own, whose keys are deleted afterwards."""
+    keys = Keys(f"test-{uuid.uuid4().hex[:8]}:")
+    async with async_redis(db) as r:
+        try:
+            yield r, keys
+        finally:
+            async for key in r.scan_iter(f"{keys.root}*"):
+                await r.delete(key)
 
 
 def stop_process_group(proc: subprocess.Popen[bytes]) -> None:

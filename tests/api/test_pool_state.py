@@ -4,14 +4,12 @@ to it, and each pool's readings for the console in one round trip."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 
 from api.pool_state import PoolState
-from tests.harness import async_redis
-from twinkle.keys import Keys
+from tests.harness import scratch_keys
 from twinkle.ledger.call import commands
 
 QUEUE = "model.tiny.0"
@@ -19,11 +17,8 @@ QUEUE = "model.tiny.0"
 
 @pytest.fixture
 async def pools() -> AsyncIterator[PoolState]:
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    async with async_redis(db=2) as r:
-        yield PoolState(r, Keys(prefix))
-        async for key in r.scan_iter(f"{prefix}*"):
-            await r.delete(key)
+    async with scratch_keys() as (r, keys):
+        yield PoolState(r, keys)
 
 
 async def test_a_pools_model_info_is_none_until_the_pool_publishes_it(pools: PoolState) -> None:

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 
 from api.stability_records import RECORD_TTL_SECONDS, StabilityRecords
-from tests.harness import async_redis
-from twinkle.keys import Keys
+from tests.harness import scratch_keys
 
 
 @pytest.fixture
 async def records() -> AsyncIterator[StabilityRecords]:
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    async with async_redis(db=2) as r:
-        yield StabilityRecords(r, Keys(prefix))
-        async for key in r.scan_iter(f"{prefix}*"):
-            await r.delete(key)
+    async with scratch_keys() as (r, keys):
+        yield StabilityRecords(r, keys)
 
 
 async def test_a_recorded_sample_request_reads_back_and_expires_a_day_later(records: StabilityRecords) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
@@ -10,9 +9,8 @@ import pytest
 import redis
 
 from api.usage_history import UsageHistory
-from tests.harness import REDIS_HOST, REDIS_PORT, async_redis
+from tests.harness import REDIS_HOST, REDIS_PORT, scratch_keys
 from twinkle.futures import FutureRecord, Op
-from twinkle.keys import Keys
 from twinkle.usage import UsageLedger
 
 NOW = datetime(2025, 6, 30, 12, 0, tzinfo=UTC).timestamp()
@@ -20,11 +18,8 @@ NOW = datetime(2025, 6, 30, 12, 0, tzinfo=UTC).timestamp()
 
 @pytest.fixture
 async def history() -> AsyncIterator[UsageHistory]:
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    async with async_redis(db=2) as r:
-        yield UsageHistory(r, Keys(prefix))
-        async for key in r.scan_iter(f"{prefix}*"):
-            await r.delete(key)
+    async with scratch_keys() as (r, keys):
+        yield UsageHistory(r, keys)
 
 
 async def test_a_recorded_op_shows_in_its_tenants_day_totals_and_details(history: UsageHistory) -> None:
