@@ -11,6 +11,7 @@ import json
 import math
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -31,6 +32,7 @@ from twinkle.telemetry import submit_trace
 from twinkle.tenancy import DEFAULT_POLICY, TenantPolicy, combined_limit, training_runs_exceeded
 
 BROKER_IDENTITY_MAX_AGE = 2.0  # seconds between run_id checks
+SUBMITTING_MODELS = 4096  # models whose unchanging fields are kept for their submits (the least recent go)
 READ_AHEAD_RESULTS = 256  # results read along with their record and not taken yet: past this, the oldest go
 
 
@@ -57,6 +59,7 @@ class Store:
         # Celery's publish hooks (its task-sent events, its trace headers): those send through Celery.
         self.direct_send = direct_send
         self.future_ttl = future_ttl
+        self._submitting: OrderedDict[str, ModelRecord] = OrderedDict()  # model_to_submit's, most recent last
         self.session_ttl = session_ttl
         self.broker_started_at = 0.0
         self._results_read: dict[str, bytes] = {}  # completed results read with their record (`future`), oldest first
@@ -89,14 +92,15 @@ class Store:
 
     async def submit(self, *, op: str, owner: str, model_id: str, queue: str, payload: Any,
                      seq_id: int | None = None, dedupe_scope: str | None = None, request_id: str = "",
-                     weight: float = 1.0) -> str:
+                     weight: float = 1.0, check_model: bool = False) -> str:
         """Store the payload and the future record, then publish.
 
         A retried submit with the same (scope, seq_id), the scope being the model unless given, gets
         the first submit's request id back and runs once. `request_id` is one from `new_request_id`
         that the caller needed before submitting (to reserve a checkpoint write); by default a new one.
         `weight` is the owner's fair-share weight (its tier's or its key's, twinkle.tenancy), kept on the record
-        for the pool's scheduler.
+        for the pool's scheduler. `check_model`: the model must be the owner's active one when the op is stored,
+        checked in the same script (a record from `model_to_submit`, whose status may be old, relies on it).
         """
         if self.reserving_queues.get(queue) == "refuse":
             await refuse_while_held(self.r, self.keys, queue, model_id)
@@ -108,12 +112,16 @@ class Store:
                               broker_run_id=self.broker_run_id, weight=weight,
                               trace=submit_trace(request_id, op, model_id, queue, scope))
         if self.direct_send:
-            return await self.ledger.run(lifecycle.submit_and_send(
+            winner = await self.ledger.run(lifecycle.submit_and_send(
                 self.keys, record, blobs.dumps(payload), dedupe_key=dedupe_key, ttl=self.future_ttl,
                 backlog=self.backlog.of(queue, owner), window=self.backlog_windows.get(queue, 0),
-                message=task_message(self.celery, op, request_id, model_id, queue)))
+                message=task_message(self.celery, op, request_id, model_id, queue), check_model=check_model))
+            await self._refused_model(winner, model_id, owner)
+            return winner
         winner = await self.ledger.run(lifecycle.submit(self.keys, record, blobs.dumps(payload),
-                                                        dedupe_key=dedupe_key, ttl=self.future_ttl))
+                                                        dedupe_key=dedupe_key, ttl=self.future_ttl,
+                                                        check_model=check_model))
+        await self._refused_model(winner, model_id, owner)
         if winner != request_id:
             return winner  # a retried submit: the first one's future, run once
         if not await self._admit(request_id, op, owner, model_id, queue):
@@ -239,6 +247,30 @@ class Store:
         pipe.sadd(self.keys.owner_runs(record.owner), record.model_id)
         pipe.sadd(self.keys.pool_assigned(record.queue), record.model_id)
         await pipe.execute()
+
+    async def _refused_model(self, answer: str, model_id: str, owner: str) -> None:
+        """Raise what reading the model would have raised, when a submit that checked its model was refused."""
+        if answer not in (lifecycle.MODEL_MISSING, lifecycle.MODEL_UNLOADED):
+            return
+        self._submitting.pop(model_id, None)
+        await self.model(model_id, owner)  # raises NotFound or AdapterGone with the record's own details
+        raise AdapterGone(f"Model {model_id} was unloaded.", hint="Create a new model.")  # changed back meanwhile
+
+    async def model_to_submit(self, model_id: str, owner: str) -> ModelRecord:
+        """The caller's active model, for a submit that checks its status in its own script (`check_model`).
+
+        Read once and then kept: what a submit uses of it (owner, queue, base model, mode) never changes, and its
+        status, which does, is the submit script's to check. So the ops every training step sends cost one round
+        trip, not two."""
+        record = self._submitting.get(model_id)
+        if record is not None and record.owner == owner:
+            self._submitting.move_to_end(model_id)
+            return record
+        record = await self.model(model_id, owner)
+        self._submitting[model_id] = record
+        if len(self._submitting) > SUBMITTING_MODELS:
+            self._submitting.popitem(last=False)
+        return record
 
     async def model(self, model_id: str, owner: str, *, active: bool = True) -> ModelRecord:
         raw = await self.r.hgetall(self.keys.model(model_id))

@@ -154,9 +154,10 @@ async def forward(request: Request, ctx: Ctx, tenant: Tenant, policy: Policy) ->
 async def optim_step(body: OptimStepBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     if body.adam_params is None:
         raise InvalidRequest("optim_step needs adam_params.", hint="Only the Adam optimizer is supported.")
-    record = await ctx.store.model(body.model_id, tenant)
+    record = await ctx.store.model_to_submit(body.model_id, tenant)
     params = adam_params_from_json(body.adam_params.model_dump())
-    rid = await training.submit_op(ctx, tenant, policy, record, Op.OPTIM_STEP, params, seq_id=body.seq_id)
+    rid = await training.submit_op(ctx, tenant, policy, record, Op.OPTIM_STEP, params, seq_id=body.seq_id,
+                                   check_model=True)
     return _future(rid, record.model_id)
 
 

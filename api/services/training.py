@@ -22,13 +22,13 @@ from twinkle.types import ForwardBackwardInput, LoadRequest, LoraSpec, input_len
 
 
 async def submit_op(ctx: ApiContext, tenant: str, policy: TenantPolicy, record: ModelRecord, op: str, payload: Any,
-                    *, seq_id: int | None = None, input_tokens: int = 0) -> str:
+                    *, seq_id: int | None = None, input_tokens: int = 0, check_model: bool = False) -> str:
     """Submit `op` on the model's replica: checked against the key's quotas, counted against its rate limits
-    on that pool."""
+    on that pool. `check_model`: `record` came from `Store.model_to_submit`, and the submit checks it is active."""
     await ctx.quotas.check(tenant, policy, op)
     await ctx.limiter.admit(tenant, record.queue, input_tokens=input_tokens)
     return await ctx.store.submit(op=op, owner=tenant, model_id=record.model_id, queue=record.queue,
-                                  payload=payload, seq_id=seq_id, weight=policy.weight)
+                                  payload=payload, seq_id=seq_id, weight=policy.weight, check_model=check_model)
 
 
 async def submit_to_model(ctx: ApiContext, tenant: str, policy: TenantPolicy, model_id: str, op: str, payload: Any,
@@ -99,14 +99,15 @@ async def forward_backward(ctx: ApiContext, tenant: str, policy: TenantPolicy, m
                            provenance: Sequence[tuple[Span, ...] | None]) -> tuple[ModelRecord, str]:
     """A forward (or forward_backward) of a decoded batch: its loss, its provenance (stable_reinforce) and its
     lengths checked against the model before it is submitted."""
-    record = await ctx.store.model(model_id, tenant)
+    record = await ctx.store.model_to_submit(model_id, tenant)
     validate_loss(batch.loss_fn, batch.data, batch.loss_fn_config)
     if batch.loss_fn == "stable_reinforce":
         await check_provenance(ctx.stability, tenant, batch.data, provenance or (None,) * len(batch.data))
     await _check_lengths(ctx, record, batch)
     tokens = sum(input_length(d.model_input) for d in batch.data)
     op = Op.FORWARD if forward_only else Op.FORWARD_BACKWARD
-    return record, await submit_op(ctx, tenant, policy, record, op, batch, seq_id=seq_id, input_tokens=tokens)
+    return record, await submit_op(ctx, tenant, policy, record, op, batch, seq_id=seq_id, input_tokens=tokens,
+                                   check_model=True)
 
 
 async def _check_lengths(ctx: ApiContext, record: ModelRecord, batch: ForwardBackwardInput) -> None:

@@ -14,7 +14,7 @@ from api.store import READ_AHEAD_RESULTS, Store, broker_start_time
 from tests.harness import REDIS_HOST, REDIS_PORT, async_redis
 from twinkle import blobs
 from twinkle.celery_app import make_celery
-from twinkle.errors import Expired, LimitExceeded, QuotaExceeded
+from twinkle.errors import AdapterGone, Expired, LimitExceeded, NotFound, QuotaExceeded
 from twinkle.futures import Op, new_request_id
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
@@ -68,6 +68,29 @@ async def test_a_submitted_op_carries_the_tenants_weight_on_its_future_record(st
 def model(owner: str, n: int) -> ModelRecord:
     return ModelRecord(model_id=f"{owner}-run-{n}", owner=owner, session_id="s", base_model="tiny", app="models",
                        queue="model.q.0", lora={}, created_at=0.0, last_request_at=0.0)
+
+
+async def test_a_models_submits_read_it_once_and_one_after_its_unload_fails_as_reading_it_would(
+        store: Store) -> None:
+    record = model("alice", 1)
+    await store.add_model(record, limit=0)
+    kept = await store.model_to_submit(record.model_id, "alice")
+    await store.r.delete(store.keys.model(record.model_id))  # not read again: a submit checks it in its script
+    assert await store.model_to_submit(record.model_id, "alice") is kept
+    with pytest.raises(NotFound):  # another owner's is never served from what was kept
+        await store.model_to_submit(record.model_id, "bob")
+    await store.add_model(record, limit=0)
+    first = await store.submit(op=Op.OPTIM_STEP, owner="alice", model_id=record.model_id, queue=record.queue,
+                               payload=None, check_model=True)
+    assert (await store.future(first, "alice")).op == Op.OPTIM_STEP
+    await store.release_model(record, reason="its session ended")
+    with pytest.raises(AdapterGone) as refused:
+        await store.submit(op=Op.OPTIM_STEP, owner="alice", model_id=record.model_id, queue=record.queue,
+                           payload=None, check_model=True)
+    with pytest.raises(AdapterGone) as read:
+        await store.model(record.model_id, "alice")
+    assert str(refused.value) == str(read.value) and "its session ended" in str(read.value)
+    assert await store.r.zcard(store.keys.owner_futures("alice")) == 1  # the refused op left nothing behind
 
 
 async def test_the_tiers_training_run_cap_and_the_servers_model_limit_combine_and_the_smaller_wins(

@@ -52,27 +52,34 @@ class Running:
 # -- the API's side ------------------------------------------------------------------------------------------
 
 
-def _submitted(keys: Keys, record: FutureRecord, payload: bytes, dedupe_key: str, ttl: int
+MODEL_MISSING = "!missing"  # what a submit that checks its model answers for none, or another owner's
+MODEL_UNLOADED = "!unloaded"  # ... for the owner's model that is no longer active
+
+
+def _submitted(keys: Keys, record: FutureRecord, payload: bytes, dedupe_key: str, ttl: int, check_model: bool
                ) -> tuple[list[str], list[Arg]]:
     rid = record.request_id
     fields = [str(x) for kv in record.to_hash().items() for x in kv]
     return ([dedupe_key or keys.future(rid), keys.queue_tickets(record.queue), keys.future(rid), keys.blob_in(rid),
              keys.model(record.model_id) if record.model_id else "", keys.owner_futures(record.owner)],
-            [rid, ttl, payload, time.time(), int(bool(dedupe_key)), *fields])
+            [rid, ttl, payload, time.time(), int(bool(dedupe_key)), record.owner if check_model else "", *fields])
 
 
-def submit(keys: Keys, record: FutureRecord, payload: bytes, *, dedupe_key: str, ttl: int) -> Call[str]:
+def submit(keys: Keys, record: FutureRecord, payload: bytes, *, dedupe_key: str, ttl: int,
+           check_model: bool = False) -> Call[str]:
     """Store the payload and the queued record, and take a queue ticket. Answers the request id that owns the
-    future: the record's, or the first submit's where `dedupe_key` ('' = none) names a retried one."""
-    submit_keys, submit_args = _submitted(keys, record, payload, dedupe_key, ttl)
+    future: the record's, or the first submit's where `dedupe_key` ('' = none) names a retried one. With
+    `check_model`, nothing is stored unless the record's model is its owner's active one: MODEL_MISSING or
+    MODEL_UNLOADED instead."""
+    submit_keys, submit_args = _submitted(keys, record, payload, dedupe_key, ttl, check_model)
     return script(scripts.SUBMIT, submit_keys, submit_args, text)
 
 
 def submit_and_send(keys: Keys, record: FutureRecord, payload: bytes, *, dedupe_key: str, ttl: int,
-                    backlog: Sequence[str], window: int, message: str) -> Call[str]:
+                    backlog: Sequence[str], window: int, message: str, check_model: bool = False) -> Call[str]:
     """`submit`, the key's admission into its pool's queue (twinkle.backlog: `backlog` are its KEYS, `window` the
     pool's) and, when admitted, the op's broker `message` pushed on the queue, all in one script."""
-    submit_keys, submit_args = _submitted(keys, record, payload, dedupe_key, ttl)
+    submit_keys, submit_args = _submitted(keys, record, payload, dedupe_key, ttl, check_model)
     return script(scripts.SUBMIT_AND_SEND, [*submit_keys, *backlog, record.queue],
                   [len(submit_args), *submit_args, record.owner, record.request_id, record.op, record.model_id,
                    window, MIN_SHARE, ttl, time.time(), message], text)

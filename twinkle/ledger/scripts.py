@@ -12,8 +12,16 @@ from twinkle.backlog import ADMIT
 # future record, and list it among its owner's latest 200 requests (the console's op list).
 # A re-sent script (redis-py sends it once more when the reply was lost) finds its future and changes nothing.
 # KEYS: dedupe (or any key when there is no seq_id), tickets, future, blob_in, model ("" = none), owner's futures.
-# ARGV: request_id, ttl, payload, now, has_dedupe, then the record's field/value pairs.
+# ARGV: request_id, ttl, payload, now, has_dedupe, the model's owner to check ('' = no check), then the record's
+# field/value pairs. With an owner to check, a model that is not that owner's active one takes nothing and answers
+# '!missing' (none, or another owner's) or '!unloaded': the API keeps a model's unchanging fields and leaves its
+# status, which changes, to this check at the moment of the submit.
 SUBMIT = """
+if ARGV[6] ~= '' then
+  local model = redis.call('HMGET', KEYS[5], 'owner', 'status')
+  if model[1] ~= ARGV[6] then return '!missing' end
+  if model[2] ~= 'active' then return '!unloaded' end
+end
 if redis.call('EXISTS', KEYS[3]) == 1 then return ARGV[1] end
 if ARGV[5] == '1' then
   local previous = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2], 'GET')
@@ -21,7 +29,7 @@ if ARGV[5] == '1' then
 end
 local ticket = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[4], ARGV[3], 'EX', ARGV[2])
-redis.call('HSET', KEYS[3], unpack(ARGV, 6))
+redis.call('HSET', KEYS[3], unpack(ARGV, 7))
 redis.call('HSET', KEYS[3], 'ticket', ticket)
 redis.call('EXPIRE', KEYS[3], ARGV[2])
 if KEYS[5] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then redis.call('HSET', KEYS[5], 'last_request_at', ARGV[4]) end

@@ -137,6 +137,34 @@ async def test_a_submit_and_send_pushes_each_message_once_and_parks_what_exceeds
     assert Parked.decode(parked).request_id == records[2].request_id
 
 
+@pytest.mark.parametrize("send", [False, True])
+async def test_a_submit_that_checks_its_model_stores_nothing_unless_it_is_the_owners_active_one(
+        face: Face, send: bool) -> None:
+    backlog = BacklogKeys(face.keys)
+
+    def submitting(record: FutureRecord) -> Call[str]:
+        if send:
+            return lifecycle.submit_and_send(face.keys, record, b"", dedupe_key="", ttl=TTL,
+                                             backlog=backlog.of(face.queue, record.owner), window=2,
+                                             message="{}", check_model=True)
+        return lifecycle.submit(face.keys, record, b"", dedupe_key="", ttl=TTL, check_model=True)
+
+    missing = face.record(model_id="absent")
+    assert await face.run(submitting(missing)) == lifecycle.MODEL_MISSING
+    face.model()
+    others = face.record(owner="mallory")
+    assert await face.run(submitting(others)) == lifecycle.MODEL_MISSING
+    active = face.record()
+    assert await face.run(submitting(active)) == active.request_id
+    face.r.hset(face.keys.model("m"), "status", "unloaded")
+    unloaded = face.record()
+    assert await face.run(submitting(unloaded)) == lifecycle.MODEL_UNLOADED
+    for refused in (missing, others, unloaded):
+        assert not face.r.exists(face.keys.future(refused.request_id), face.keys.blob_in(refused.request_id))
+    assert face.r.get(face.keys.queue_tickets(face.queue)) == b"1"
+    assert face.r.llen(face.queue) == (1 if send else 0)
+
+
 async def test_a_withdrawn_submit_leaves_no_record_payload_place_or_dedupe(face: Face) -> None:
     record, dedupe = face.record(), face.keys.dedupe("m", 1)
     sent = BacklogKeys(face.keys).sent(face.queue, "alice")
