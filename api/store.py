@@ -26,6 +26,7 @@ from twinkle.errors import AdapterGone, BrokerUnavailable, Expired, LimitExceede
 from twinkle.futures import FutureRecord, FutureStatus, new_request_id, request_id_created_at
 from twinkle.keys import Keys
 from twinkle.ledger import AsyncLedger, lifecycle
+from twinkle.ledger.call import text
 from twinkle.records import ModelRecord, SamplingSessionRecord, SessionRecord
 from twinkle.task_message import task_message
 from twinkle.telemetry import submit_trace
@@ -391,10 +392,13 @@ class Store:
             list[SessionRecord], list[SamplingSessionRecord], list[FutureRecord]]:
         """The records listed under the owner (its sessions, its sampling sessions, its latest `latest_ops`
         requests, newest first), as stored: each one's owner is for the caller to check."""
-        session_ids = sorted(_text(s) for s in await self.r.smembers(self.keys.owner_sessions(owner)))
-        sampling_ids = sorted(_text(s) for s in await self.r.smembers(self.keys.owner_sampling_sessions(owner)))
-        request_ids = [_text(x) for x in await self.r.zrevrange(self.keys.owner_futures(owner), 0, latest_ops - 1)]
         pipe = self.r.pipeline(transaction=False)
+        pipe.smembers(self.keys.owner_sessions(owner))
+        pipe.smembers(self.keys.owner_sampling_sessions(owner))
+        pipe.zrevrange(self.keys.owner_futures(owner), 0, latest_ops - 1)
+        sessions, sampling, latest = await pipe.execute()
+        session_ids, sampling_ids = sorted(text(s) for s in sessions), sorted(text(s) for s in sampling)
+        request_ids = [text(x) for x in latest]
         for sid in session_ids:
             pipe.hgetall(self.keys.session(sid))
         for sid in sampling_ids:
@@ -428,9 +432,6 @@ class Store:
     async def close(self) -> None:
         await self.r.aclose()
 
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 # SADD only while the set is below the limit, as one atomic step on the Redis server.

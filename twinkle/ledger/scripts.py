@@ -62,17 +62,24 @@ end
 return winner
 """
 
+
+def _writing_as_holder(*, token: int, vanished: int) -> str:
+    """The opening of a pool's write to a future (KEYS[1]): -2 when the pool's lease fence (KEYS[4], '' = none)
+    names another worker than the lease token ARGV[`token`], `vanished` when the record is gone."""
+    return f"""
+if KEYS[4] ~= '' then
+  local fence = redis.call('GET', KEYS[4])
+  if fence and fence ~= ARGV[{token}] then return -2 end
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {vanished} end"""
+
+
 # KEYS: future, model ("" = none), queue_started, fence ('' = none). ARGV: now, ticket, lease token, attempt id
 # (the same attempt sent again, after a reply the broker lost, returns the index it got the first time). A worker
 # whose pool lease another worker took since (the fence names another token) writes nothing: -2; a missing fence
 # (a broker restarted without persistence) fences nobody off. A vanished record: -1. An op that already ended
 # (a sweep failed it while the pool held it) is never begun: -3.
-BEGIN = """
-if KEYS[4] ~= '' then
-  local fence = redis.call('GET', KEYS[4])
-  if fence and fence ~= ARGV[3] then return -2 end
-end
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+BEGIN = _writing_as_holder(token=3, vanished=-1) + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status == 'completed' or status == 'failed' then return -3 end
 if redis.call('HGET', KEYS[1], 'begun_by') == ARGV[4] then
@@ -90,12 +97,7 @@ return index
 
 # KEYS: future, blob_out, blob_in, fence ('' = none). ARGV: ttl, result blob ('' = none), done channel, status,
 # lease token, field/value pairs. Fenced off as BEGIN is: -2; a vanished record: 0; written: 1.
-FINISH = """
-if KEYS[4] ~= '' then
-  local fence = redis.call('GET', KEYS[4])
-  if fence and fence ~= ARGV[5] then return -2 end
-end
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+FINISH = _writing_as_holder(token=5, vanished=0) + """
 if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[1]) end
 redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
