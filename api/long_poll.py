@@ -144,7 +144,6 @@ class LongPolls:
             return None
         return request_id, tenant
 
-
     async def _answer_ended(self, scope: Scope, send: Send, record: FutureRecord, tenant: str) -> bool:
         """Answer the poll of a future that ended, as the route would (same status, headers and bytes); False,
         answering nothing, for one still pending or a result the broker cannot give now (the route meets the
