@@ -27,13 +27,13 @@ def r(private_client: redis.Redis) -> redis.Redis:
 def queued(r: redis.Redis, age: float, where: str, *, queue: str = QUEUE, state: str = FutureStatus.QUEUED) -> str:
     """An op accepted `age` seconds ago whose message is `where`: in the queue, held, or parked."""
     rid = request_id(age)
-    record(r, rid, age=age, queue=queue, status=state)
     if where == "parked":
         park(r, rid, queue=queue)
     else:
-        publish(r, rid, queue=queue)
+        publish(r, rid, queue=queue)  # first: a process's first Celery publish can take most of a second
         if where == "held":
             hold(r, rid, queue=queue)
+    record(r, rid, age=age, queue=queue, status=state)  # its age then holds to the second when the sweep reads it
     return rid
 
 
