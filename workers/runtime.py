@@ -128,8 +128,8 @@ class PoolRuntime:
             log.info("%s %s waits: a full-parameter run holds the pool", op, request_id)
             return
         except TwinkleError as exc:
-            self._fail(rec, exc)
             self._release_if_never_created(op, rec, model, exc)
+            self._fail(rec, exc)
             self._meter_failed(rec, timing)
         except Exception as exc:  # noqa: BLE001 - any backend bug becomes a failed future, never a hang
             log.error("%s %s failed:\n%s", op, request_id, traceback.format_exc())
@@ -137,8 +137,8 @@ class PoolRuntime:
                 f"{op} failed inside the server ({type(exc).__name__}).",
                 hint=f"This is a server problem; report request id {request_id} to the operator.",
             )
-            self._fail(rec, failure)
             self._release_if_never_created(op, rec, model, failure)
+            self._fail(rec, failure)
             self._meter_failed(rec, timing)
         else:
             self._complete(rec, result, amounts_for(op, args, result, seconds=timing.seconds,
@@ -336,7 +336,8 @@ class PoolRuntime:
     def _release_if_never_created(self, op: str, rec: FutureRecord, model: ModelRecord | None,
                                   exc: TwinkleError) -> None:
         """A model whose first op (create, or load from a checkpoint) failed never got an adapter: free its
-        place in the owner's model count, or the count drifts up with every failed create."""
+        place in the owner's model count, or the count drifts up with every failed create. It runs before the
+        failure is written, so a client that reads the failure also reads the count already freed."""
         if op not in (Op.CREATE_MODEL, Op.LOAD_STATE) or model is None or model.ops_executed:
             return
         if self.has_adapter is not None and self.has_adapter(rec.model_id):
@@ -345,7 +346,10 @@ class PoolRuntime:
         pipe.hset(self.keys.model(rec.model_id), mapping={"status": "unloaded",
                                                           "unload_reason": f"it could not be created: {exc}"})
         pipe.srem(self.keys.owner_models(model.owner), rec.model_id)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.RedisError:  # the failure must still be written: a future never stays pending
+            log.warning("could not release model %s, whose create failed", rec.model_id, exc_info=True)
 
     def _lost(self, model_id: str, model: ModelRecord | None) -> TwinkleError:
         return lost_state_error(model_id, (model.last_checkpoint if model else "") or None)
