@@ -66,6 +66,7 @@ from tests.harness import free_port  # noqa: E402
 from twinkle.types import ForwardBackwardOutput, SampledSequence, SampleOutput  # noqa: E402
 
 BASE_MODEL = "tiny-qwen"
+CORES = len(os.sched_getaffinity(0))
 DATUMS, TOKENS = 4, 128
 
 # -- the stand-in ------------------------------------------------------------------------------------------
@@ -275,6 +276,50 @@ class Figures:
     sample_ms: list[float] = field(default_factory=list)
     counts: Counts = field(default_factory=Counts)
     non_2xx: int = 0
+    cpu_ms_per_step: dict[str, float] = field(default_factory=dict)  # by process, over the 16-client window
+
+
+class CpuMeter:
+    """CPU time (user + system) that each process of a server, and this benchmark's own process (the SDK
+    clients), spends over a window. With every process on the same cores, the sum per step bounds the
+    aggregate: `cores / CPU per step` steps per second at best."""
+
+    def __init__(self, server: psutil.Process) -> None:
+        self.server = server
+
+    def processes(self) -> dict[str, list[psutil.Process]]:
+        groups: dict[str, list[psutil.Process]] = {"client": [psutil.Process()]}
+        for proc in [self.server, *self.server.children(recursive=True)]:
+            groups.setdefault(self.role(proc), []).append(proc)
+        return groups
+
+    @staticmethod
+    def role(proc: psutil.Process) -> str:
+        cmd = " ".join(proc.cmdline())
+        for role, mark in (("stand-in", "--stand-in"), ("api", "-m api"), ("worker", "-m workers"),
+                           ("broker", "valkey-server")):
+            if mark in cmd:
+                return role
+        return "launcher"
+
+    @staticmethod
+    def seconds(procs: list[psutil.Process]) -> float:
+        total = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def start(self) -> None:
+        self.groups = self.processes()
+        self.before = {role: self.seconds(procs) for role, procs in self.groups.items()}
+
+    def ms_per_step(self, steps: int) -> dict[str, float]:
+        return {role: (self.seconds(procs) - self.before[role]) * 1000 / max(steps, 1)
+                for role, procs in self.groups.items()}
 
 
 def batch() -> list[Any]:
@@ -342,11 +387,13 @@ def _guarded(call: Callable[[], None], counts: Counts) -> bool:
         return False
 
 
-def aggregate(target: Target, seconds: float, counts: Counts) -> float:
+def aggregate(target: Target, seconds: float, counts: Counts, cpu: CpuMeter) -> tuple[float, dict[str, float]]:
+    """Steps per second of the 16 clients together, and the CPU milliseconds per step each process spent."""
     done = [0] * len(target.others)
     window = [0.0, 0.0]  # start, stop: set as the barrier opens, before any thread reads it
 
     def open_window() -> None:
+        cpu.start()
         window[0] = time.perf_counter()
         window[1] = window[0] + seconds
 
@@ -366,14 +413,16 @@ def aggregate(target: Target, seconds: float, counts: Counts) -> float:
     go.wait()
     for thread in threads:
         thread.join()
-    return sum(done) / (time.perf_counter() - window[0])
+    elapsed = time.perf_counter() - window[0]
+    return sum(done) / elapsed, cpu.ms_per_step(sum(done))
 
 
-def measure(target: Target, non_2xx: Callable[[], int], steps: int, seconds: float, samples: int) -> Figures:
+def measure(target: Target, non_2xx: Callable[[], int], cpu: CpuMeter, steps: int, seconds: float,
+            samples: int) -> Figures:
     figures = Figures()
     before = non_2xx()
     figures.step_ms = timed(lambda: target.step(target.trainer), steps, 20, figures.counts)
-    figures.steps_per_s = aggregate(target, seconds, figures.counts)
+    figures.steps_per_s, figures.cpu_ms_per_step = aggregate(target, seconds, figures.counts, cpu)
     figures.sample_ms = timed(target.sample, samples, 20, figures.counts)
     figures.non_2xx = non_2xx() - before
     return figures
@@ -385,7 +434,30 @@ def line(name: str, f: Figures) -> str:
             f" | 16 clients {f.steps_per_s:6.1f} steps/s | sample p50 {pct(f.sample_ms, 50):6.2f} ms"
             f"  p99 {pct(f.sample_ms, 99):6.2f} ms (n={len(f.sample_ms)})"
             f" | errors {c.errors}, timeouts {c.timeouts}, non-2xx {f.non_2xx}"
-            + (f"\n           first error: {c.first_error}" if c.first_error else ""))
+            + (f"\n           first error: {c.first_error}" if c.first_error else "")
+            + f"\n{cpu_line(f.cpu_ms_per_step)}")
+
+
+def cpu_line(ms: dict[str, float]) -> str:
+    parts = ", ".join(f"{role} {value:.2f}" for role, value in ms.items())
+    total = sum(ms.values())
+    return (f"           CPU ms per step, 16 clients: {parts} = {total:.2f} ms; "
+            f"{CORES} cores allow <= {CORES * 1000 / total:.0f} steps/s" if total else "")
+
+
+def ceiling(floor: Figures, twinkle: Figures) -> str:
+    """What the cores leave for the 16-client target: the SDK clients' own CPU per step is the same against
+    either server, so a server reaches 0.8x the floor only if its own CPU per step fits in what remains."""
+    client = twinkle.cpu_ms_per_step.get("client", 0.0)
+    server = sum(twinkle.cpu_ms_per_step.values()) - client
+    target = 0.8 * floor.steps_per_s
+    per_step = CORES * 1000 / target
+    budget = per_step - client
+    return (f"  ceiling  0.8x the floor is {target:.0f} steps/s: {CORES} cores give each step {per_step:.2f} CPU ms, "
+            f"the SDK clients take {client:.2f}, leaving {budget:.2f} ms for the server, which spent "
+            f"{server:.2f} ms ({server / budget:.1f}x)" if budget > 0 else
+            f"  ceiling  0.8x the floor is {target:.0f} steps/s: the SDK clients alone take {client:.2f} CPU ms per "
+            f"step, more than {CORES} cores give a step at that rate")
 
 
 def ratios(floor: Figures, twinkle: Figures) -> str:
@@ -399,6 +471,8 @@ def ratios(floor: Figures, twinkle: Figures) -> str:
 
 def merged(rounds: list[Figures]) -> Figures:
     out = Figures()
+    out.cpu_ms_per_step = {role: statistics.mean(f.cpu_ms_per_step.get(role, 0.0) for f in rounds)
+                           for role in rounds[0].cpu_ms_per_step}
     for f in rounds:
         out.step_ms += f.step_ms
         out.sample_ms += f.sample_ms
@@ -489,16 +563,18 @@ def main() -> None:
         try:
             targets = {}
             if ns.only != "twinkle":
-                targets["floor"] = (Target("floor", stand_in.base_url, ns.clients, ns.timeout), stand_in.non_2xx)
+                targets["floor"] = (Target("floor", stand_in.base_url, ns.clients, ns.timeout), stand_in.non_2xx,
+                                    CpuMeter(psutil.Process(stand_in.proc.pid)))
             if ns.only != "floor":
-                targets["twinkle"] = (Target("twinkle", twinkle.base_url, ns.clients, ns.timeout), twinkle.non_2xx)
+                targets["twinkle"] = (Target("twinkle", twinkle.base_url, ns.clients, ns.timeout), twinkle.non_2xx,
+                                      CpuMeter(psutil.Process(twinkle.proc.pid)))
             print(f"SDK 0.38 against the stand-in floor and Twinkle (mock backend); {DATUMS} x {TOKENS} tokens per "
                   f"forward_backward; load average {os.getloadavg()[0]:.2f} at start", flush=True)
             results: dict[str, list[Figures]] = {name: [] for name in targets}
             for index in range(ns.rounds):
                 print(f"round {index + 1}", flush=True)
-                for name, (target, non_2xx) in targets.items():
-                    figures = measure(target, non_2xx, ns.steps, ns.seconds, ns.samples)
+                for name, (target, non_2xx, cpu) in targets.items():
+                    figures = measure(target, non_2xx, cpu, ns.steps, ns.seconds, ns.samples)
                     results[name].append(figures)
                     print(line(name, figures), flush=True)
                 if len(targets) == 2:
@@ -509,6 +585,7 @@ def main() -> None:
                 print(line(name, figures))
             if len(total) == 2:
                 print(ratios(total["floor"], total["twinkle"]))
+                print(ceiling(total["floor"], total["twinkle"]))
             if ns.trace and "twinkle" in targets:
                 trace(targets["twinkle"][0], twinkle, ns.trace)
         finally:
