@@ -277,6 +277,7 @@ class Figures:
     counts: Counts = field(default_factory=Counts)
     non_2xx: int = 0
     cpu_ms_per_step: dict[str, float] = field(default_factory=dict)  # by process, over the 16-client window
+    cpu_ms_per_single_step: dict[str, float] = field(default_factory=dict)  # by process, one client stepping
 
 
 class CpuMeter:
@@ -367,9 +368,11 @@ class Target:
                             ).result(timeout=self.timeout)
 
 
-def timed(call: Callable[[], None], n: int, warmup: int, counts: Counts) -> list[float]:
+def timed(call: Callable[[], None], n: int, warmup: int, counts: Counts, cpu: CpuMeter | None = None) -> list[float]:
     for _ in range(warmup):
         _guarded(call, counts)
+    if cpu is not None:
+        cpu.start()
     ms = []
     for _ in range(n):
         started = time.perf_counter()
@@ -421,7 +424,8 @@ def measure(target: Target, non_2xx: Callable[[], int], cpu: CpuMeter, steps: in
             samples: int) -> Figures:
     figures = Figures()
     before = non_2xx()
-    figures.step_ms = timed(lambda: target.step(target.trainer), steps, 20, figures.counts)
+    figures.step_ms = timed(lambda: target.step(target.trainer), steps, 20, figures.counts, cpu)
+    figures.cpu_ms_per_single_step = cpu.ms_per_step(len(figures.step_ms))
     figures.steps_per_s, figures.cpu_ms_per_step = aggregate(target, seconds, figures.counts, cpu)
     figures.sample_ms = timed(target.sample, samples, 20, figures.counts)
     figures.non_2xx = non_2xx() - before
@@ -435,13 +439,13 @@ def line(name: str, f: Figures) -> str:
             f"  p99 {pct(f.sample_ms, 99):6.2f} ms (n={len(f.sample_ms)})"
             f" | errors {c.errors}, timeouts {c.timeouts}, non-2xx {f.non_2xx}"
             + (f"\n           first error: {c.first_error}" if c.first_error else "")
-            + f"\n{cpu_line(f.cpu_ms_per_step)}")
+            + f"\n{cpu_line('1 client', f.cpu_ms_per_single_step)}\n{cpu_line('16 clients', f.cpu_ms_per_step)}")
 
 
-def cpu_line(ms: dict[str, float]) -> str:
+def cpu_line(who: str, ms: dict[str, float]) -> str:
     parts = ", ".join(f"{role} {value:.2f}" for role, value in ms.items())
     total = sum(ms.values())
-    return (f"           CPU ms per step, 16 clients: {parts} = {total:.2f} ms; "
+    return (f"           CPU ms per step, {who}: {parts} = {total:.2f} ms; "
             f"{CORES} cores allow <= {CORES * 1000 / total:.0f} steps/s" if total else "")
 
 
@@ -473,6 +477,8 @@ def merged(rounds: list[Figures]) -> Figures:
     out = Figures()
     out.cpu_ms_per_step = {role: statistics.mean(f.cpu_ms_per_step.get(role, 0.0) for f in rounds)
                            for role in rounds[0].cpu_ms_per_step}
+    out.cpu_ms_per_single_step = {role: statistics.mean(f.cpu_ms_per_single_step.get(role, 0.0) for f in rounds)
+                                  for role in rounds[0].cpu_ms_per_single_step}
     for f in rounds:
         out.step_ms += f.step_ms
         out.sample_ms += f.sample_ms
