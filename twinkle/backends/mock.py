@@ -57,7 +57,7 @@ from twinkle.backends.paging import AdapterPager, PagedAdapter, PagingBudget
 from twinkle.errors import InvalidRequest, NotFound, PoolReserved
 from twinkle.full_checkpoint import MARKER, is_full_checkpoint, write_marker
 from twinkle.losses import ElementwiseLoss
-from twinkle.samplers.mock import BigramSampling
+from twinkle.samplers.mock import BigramSampling, NextTokenRows
 from twinkle.tokenizer_files import TOKENIZER_FILE_NAMES
 from twinkle.types import (
     TRAINING_MODES,
@@ -149,6 +149,7 @@ class MockBackend:
         self._model_dir = source.directory
         self._base = served_base(source)  # never trained: a full run trains a copy of it
         self._sampling = BigramSampling(self._base, self.info, source.directory)
+        self._base_rows = NextTokenRows(self.info.vocab_size)
         self._adapters: dict[str, _Adapter] = {}  # the resident ones; the pager keeps the others
         self._full: _FullRun | None = None  # never paged: the pager holds LoRA adapters only
         self.pager = AdapterPager(self, max_loras, paging or PagingBudget())
@@ -354,7 +355,9 @@ class MockBackend:
         run = None if adapter_id is None else self._full_run(adapter_id)
         if run is not None:
             return [self._sampling.sample(None, request, base=run.weights) for request in requests]
-        lora = None if adapter_id is None else self._adapter(adapter_id).lora
+        if adapter_id is None:  # the served base never changes: its rows are kept
+            return [self._sampling.sample(None, request, rows=self._base_rows) for request in requests]
+        lora = self._adapter(adapter_id).lora  # trained in place: computed in full every time
         return [self._sampling.sample(lora, request) for request in requests]
 
     def _full_run(self, adapter_id: str) -> _FullRun | None:

@@ -61,9 +61,11 @@ class BigramSampling:
         self._tokenizer: Tokenizer | None = None
 
     def sample(
-        self, lora: LoraWeights | None, request: SampleRequest, *, base: BigramBase | None = None
+        self, lora: LoraWeights | None, request: SampleRequest, *, base: BigramBase | None = None,
+        rows: NextTokenRows | None = None,
     ) -> SampleOutput:
-        """One request with `lora` on `base`: a whole model such as a full run's weights (None: the served one)."""
+        """One request with `lora` on `base`: a whole model such as a full run's weights (None: the served one).
+        `rows`: the caller's cache for these weights, which it promises never change (a loaded checkpoint)."""
         base = self._base if base is None else base
         prompt = self._prompt(request)
         params = request.params
@@ -86,8 +88,11 @@ class BigramSampling:
         for _ in range(params.max_tokens):
             if not len(active):
                 break
-            model_lp = self._distribution(base, lora, last[active])
-            chosen, chosen_lp = _draw(model_lp, params, rng)
+            if rows is None:
+                model_lp = self._distribution(base, lora, last[active])
+                chosen, chosen_lp = _draw(model_lp, params, rng)
+            else:
+                model_lp, chosen, chosen_lp = rows.draw(base, lora, last[active], params, rng)
             last[active] = chosen
             best = _best(model_lp, sample_k) if sample_k > 0 else [[] for _ in chosen]
             still_active = []
@@ -167,6 +172,49 @@ class BigramSampling:
         return self._tokenizer
 
 
+class NextTokenRows:
+    """The next-token rows of weights that never change (the served base, a loaded checkpoint), with what
+    drawing from them needs, kept once computed: a decode step is then a lookup and one pass over a row, not
+    the model's whole next-token computation (most of a mock sample's time). Bounded in bytes, least recently
+    used out. Draws are the ones `_draw` makes: the same rows, the same random numbers."""
+
+    def __init__(self, vocab_size: int, budget_bytes: int = 64 << 20) -> None:
+        self._limit = max(16, budget_bytes // (12 * vocab_size))  # a float32 row and a float64 cumulative one
+        self._rows: OrderedDict[tuple[int, float, int, float], tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    def draw(
+        self, base: BigramBase, lora: LoraWeights | None, prev: np.ndarray, params: SamplingParams,
+        rng: np.random.Generator,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The model's rows after `prev` [N, V], one token drawn from each, and its logprob under the model."""
+        entries = [self._entry(base, lora, int(token), params) for token in prev.tolist()]
+        model_lp = entries[0][0][None] if len(entries) == 1 else np.stack([row for row, _ in entries])
+        picks = np.arange(len(entries))
+        if params.temperature == 0:
+            chosen = model_lp.argmax(axis=1)
+        else:
+            cdf = entries[0][1][None] if len(entries) == 1 else np.stack([cumulative for _, cumulative in entries])
+            threshold = rng.random(len(entries)) * cdf[:, -1]
+            chosen = (cdf <= threshold[:, None]).sum(axis=1)
+        return model_lp, chosen, model_lp[picks, chosen].astype(np.float64)
+
+    def _entry(
+        self, base: BigramBase, lora: LoraWeights | None, token: int, params: SamplingParams
+    ) -> tuple[np.ndarray, np.ndarray]:
+        key = (token, params.temperature, params.top_k, params.top_p)
+        entry = self._rows.get(key)
+        if entry is not None:
+            self._rows.move_to_end(key)
+            return entry
+        model_lp = next_token_logprobs(base, lora, np.array([token], np.int64))
+        cumulative = (np.cumsum(np.exp(_sampling_distribution(model_lp, params)), axis=1)[0]
+                      if params.temperature != 0 else np.empty(0))
+        entry = self._rows[key] = (model_lp[0], cumulative)
+        while len(self._rows) > self._limit:
+            self._rows.popitem(last=False)
+        return entry
+
+
 class _StopStrings:
     """Detects stop strings in the decoded text of growing samples."""
 
@@ -212,23 +260,25 @@ class MockSampler:
         self.info = source.info
         self._base = served_base(source)
         self._sampling = BigramSampling(self._base, self.info, source.directory)
-        self._cache: OrderedDict[tuple[str, int, int], LoraWeights | BigramBase] = OrderedDict()
+        self._base_rows = NextTokenRows(self.info.vocab_size)
+        self._cache: OrderedDict[tuple[str, int, int], tuple[LoraWeights | BigramBase, NextTokenRows]] = OrderedDict()
         self._cache_size = max_cached_adapters
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleOutput]:
         outputs = []
         for request in requests:
-            weights = self._weights(request.adapter_path)
+            weights, rows = self._weights(request.adapter_path)
             if isinstance(weights, BigramBase):
-                outputs.append(self._sampling.sample(None, request, base=weights))
+                outputs.append(self._sampling.sample(None, request, base=weights, rows=rows))
             else:
-                outputs.append(self._sampling.sample(weights, request))
+                outputs.append(self._sampling.sample(weights, request, rows=rows))
         return outputs
 
-    def _weights(self, adapter_path: str | None) -> LoraWeights | BigramBase | None:
-        """The checkpoint's LoRA adapter, or its whole model for a full-parameter checkpoint."""
+    def _weights(self, adapter_path: str | None) -> tuple[LoraWeights | BigramBase | None, NextTokenRows]:
+        """The checkpoint's LoRA adapter, or its whole model for a full-parameter checkpoint, and the rows kept
+        for it (a checkpoint's weights are read once and never change here: one rewritten is read again)."""
         if adapter_path is None:
-            return None
+            return None, self._base_rows
         directory = Path(adapter_path).resolve()
         full = is_full_checkpoint(directory)
         stamp = _stamp(directory / (BASE_FILE if full else ADAPTER_FILE))
@@ -243,10 +293,10 @@ class MockSampler:
             weights = load_base(directory, self.info.vocab_size)
         else:
             weights, _ = load_adapter(directory, self._base)
-        self._cache[key] = weights
+        self._cache[key] = weights, NextTokenRows(self.info.vocab_size)
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
-        return weights
+        return self._cache[key]
 
 
 def _stamp(path: Path) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from twinkle.backends.base import SamplerBackend
 from twinkle.backends.mock import MockBackend
 from twinkle.errors import InvalidRequest, NotFound
-from twinkle.samplers.mock import MockSampler
+from twinkle.samplers.mock import MockSampler, NextTokenRows
 from twinkle.types import (
     AdamParams,
     Datum,
@@ -281,3 +282,37 @@ def test_zero_max_tokens_returns_empty_sequences() -> None:
     output = MockSampler(VOCAB).sample([_request([1], SamplingParams(max_tokens=0), num_samples=2)])[0]
 
     assert [(s.tokens, s.stop_reason) for s in output.sequences] == [([], "length"), ([], "length")]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=12, temperature=1.0, seed=11),
+                                    SamplingParams(max_tokens=12, temperature=0.7, top_k=5, top_p=0.9, seed=11),
+                                    GREEDY],
+                         ids=["temperature 1", "top_k and top_p", "greedy"])
+def test_a_checkpoints_kept_rows_draw_exactly_what_the_full_computation_draws(
+    trained: tuple[MockBackend, Path], params: SamplingParams
+) -> None:
+    backend, weights = trained
+    request = _request([3, 17], params, num_samples=3, topk_sample_logprobs=2)
+    sampler = MockSampler(VOCAB)
+
+    kept = sampler.sample([replace(request, adapter_path=str(weights))])[0]
+    again = sampler.sample([replace(request, adapter_path=str(weights))])[0]
+    computed = backend.sample("a", [request])[0]  # the live adapter: every step computed in full
+
+    for output in (kept, again):
+        assert [s.tokens for s in output.sequences] == [s.tokens for s in computed.sequences]
+        assert [s.logprobs for s in output.sequences] == [s.logprobs for s in computed.sequences]
+        assert [s.topk_logprobs for s in output.sequences] == [s.topk_logprobs for s in computed.sequences]
+
+
+def test_kept_rows_stay_within_their_byte_budget() -> None:
+    rows = NextTokenRows(VOCAB, budget_bytes=20 * 12 * VOCAB)
+    sampler = MockSampler(VOCAB)
+    base = sampler._base  # the served base model the sampler draws from
+    params = SamplingParams(max_tokens=1, temperature=1.0)
+
+    for token in range(VOCAB):
+        rows.draw(base, None, np.array([token]), params, np.random.default_rng(0))
+
+    assert len(rows._rows) == 20
+    assert [key[0] for key in rows._rows] == list(range(VOCAB - 20, VOCAB))  # the least recently used went first
