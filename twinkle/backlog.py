@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from twinkle.keys import Keys
+from twinkle.script_batch import ScriptCall
 
 MIN_SHARE = 2  # ops of each key in the queue at least, however many keys share the window
 
@@ -93,24 +94,43 @@ class BacklogRelease:
         """`request_id` of `tenant` ended ('' = none): send the key's parked ops that may enter the queue now,
         in order, with `send`. An op `send` fails on goes back to the head of the backlog with the ones after it.
         Returns how many were sent."""
-        count = 0
         with self.lock:
-            while True:
-                raw = self._release(keys=self.keys.of(self.queue, tenant),
-                                    args=[tenant, request_id, self.window, MIN_SHARE, self.ttl, time.time()])
-                request_id = ""
-                released = [Parked.decode(item) for item in raw]
-                for index, parked in enumerate(released):
-                    try:
-                        send(parked)
-                    except Exception:
-                        self._unsend(tenant, released[index:])
-                        raise
-                    count += 1
-                if not released:  # and so no transit mark was set (RELEASE sets it only with what it releases)
-                    return count
-                # ops the API parked while these were in transit may fit now too
-                self.r.delete(self.keys.transit(self.queue, tenant))
+            return self.dispatch(tenant, self.run_release(self.release_call(tenant, request_id)), send)
+
+    def release_call(self, tenant: str, request_id: str) -> ScriptCall:
+        """The release script's call for `request_id` of `tenant` ('' = none), to be sent along with other writes
+        (twinkle.script_batch) under `lock`; its reply goes to `dispatch`, still under the lock, so that
+        the pool's threads send each key's ops in backlog order."""
+        return ScriptCall(self._release, self.keys.of(self.queue, tenant),
+                          [tenant, request_id, self.window, MIN_SHARE, self.ttl, time.time()])
+
+    def run_release(self, call: ScriptCall) -> Any:
+        return self._release(keys=call.keys, args=call.args)
+
+    def dispatch(self, tenant: str, reply: Any, send: Callable[[Parked], None]) -> int:
+        """Send the ops a release call's `reply` released, and then whatever more may follow them. Under `lock`."""
+        count = 0
+        while True:
+            released = [Parked.decode(item) for item in reply]
+            for index, parked in enumerate(released):
+                try:
+                    send(parked)
+                except Exception:
+                    self._unsend(tenant, released[index:])
+                    raise
+                count += 1
+            if not released:  # and so no transit mark was set (RELEASE sets it only with what it releases)
+                return count
+            # ops the API parked while these were in transit may fit now too
+            self.r.delete(self.keys.transit(self.queue, tenant))
+            reply = self.run_release(self.release_call(tenant, ""))
+
+    def put_back(self, tenant: str, reply: Any) -> None:
+        """The ops a release call's `reply` released go back to the head of the key's backlog, unsent (the pool may
+        no longer send: another worker took its queue). Under `lock`."""
+        released = [Parked.decode(item) for item in reply]
+        if released:
+            self._unsend(tenant, released)
 
     def _unsend(self, tenant: str, parked: list[Parked]) -> None:
         """Released ops whose messages could not be sent go back to the head of the key's backlog, in order."""

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,28 +203,33 @@ class PoolRuntime:
 
     # -- usage ---------------------------------------------------------------------------------
 
-    def _record_after(self, rec: FutureRecord, metrics: ScriptCall | None, amounts: dict[str, int]) -> None:
-        """Append the op's run metrics and count what it used (`twinkle.usage`), both in one round trip; neither
-        ever fails an op that already ended."""
-        usage = self.ledger.call(rec, self.usage_model, amounts) if self.ledger is not None else None
-        calls = [call for call in (metrics, usage) if call is not None]
-        if not calls:
-            return
-        try:
-            replies = run_together(self.r, calls)
-        except redis.RedisError:
-            log.warning("metrics and usage of %s %s not recorded: the broker is unreachable", rec.op, rec.request_id)
-            return
+    def _usage_call(self, rec: FutureRecord, amounts: dict[str, int]) -> ScriptCall | None:
+        return self.ledger.call(rec, self.usage_model, amounts) if self.ledger is not None else None
+
+    def _recorded(self, rec: FutureRecord, replies: list[Any], usage: ScriptCall | None,
+                  amounts: dict[str, int]) -> None:
+        """Report the run metrics and usage writes that failed (neither ever fails an op that already ended), and
+        count the usage the broker added."""
         for reply in replies:
             if isinstance(reply, Exception):
                 log.warning("metrics or usage of %s %s not recorded: %s", rec.op, rec.request_id, reply)
-        if usage is not None and not isinstance(replies[-1], Exception) and recorded(replies[-1]):
+        if usage is not None and replies and not isinstance(replies[-1], Exception) and recorded(replies[-1]):
             record_usage(rec, self.usage_model, amounts)
 
     def _meter_failed(self, rec: FutureRecord, timing: _Timing) -> None:
         """A failed op that ran is charged the pool time it held, nothing else."""
-        if timing.began:
-            self._record_after(rec, None, {"pool_ms": round(timing.seconds * 1000)})
+        if not timing.began:
+            return
+        amounts = {"pool_ms": round(timing.seconds * 1000)}
+        usage = self._usage_call(rec, amounts)
+        if usage is None:
+            return
+        try:
+            replies = run_together(self.r, [usage])
+        except redis.RedisError:
+            log.warning("usage of %s %s not recorded: the broker is unreachable", rec.op, rec.request_id)
+            return
+        self._recorded(rec, replies, usage, amounts)
 
     def _checkpoint_bytes(self, op: str, result: Any) -> int:
         if op not in SAVE_OPS or not isinstance(result, dict) or not result.get("path"):
@@ -355,33 +360,65 @@ class PoolRuntime:
         return lost_state_error(model_id, (model.last_checkpoint if model else "") or None)
 
     def _complete(self, rec: FutureRecord, result: Any, amounts: dict[str, int]) -> None:
-        finished = self._finish(rec, FutureStatus.COMPLETED, blobs.dumps(result))
+        """Write the outcome, release the key's backlog, append the run's metrics and count the usage: one round
+        trip. The metrics count only where the outcome was written (the script checks the record's finish time)."""
+        finished_at = str(time.time())
+        metrics = self.metrics.call(rec, result, finished_at)
+        usage = self._usage_call(rec, amounts)
+        finished, replies = self._finish(rec, FutureStatus.COMPLETED, blobs.dumps(result), finished_at=finished_at,
+                                         along=[call for call in (metrics, usage) if call is not None])
         if finished:
             task_finished(rec, FutureStatus.COMPLETED, result=result)
-        self._record_after(rec, self.metrics.call(rec, result) if finished else None, amounts)
+        self._recorded(rec, replies, usage, amounts)
 
     def _fail(self, rec: FutureRecord, exc: TwinkleError) -> None:
         log.info("%s %s failed: %s", rec.op, rec.request_id, exc)
-        if self._finish(rec, FutureStatus.FAILED, b"", error=str(exc), category=exc.category, code=exc.code):
+        finished, _ = self._finish(rec, FutureStatus.FAILED, b"", error=str(exc), category=exc.category,
+                                   code=exc.code)
+        if finished:
             task_finished(rec, FutureStatus.FAILED, error=exc)
             self.metrics.record_failure(rec, exc)
 
-    def _finish(self, rec: FutureRecord, status: FutureStatus, result: bytes, **failure: str) -> bool:
-        """Write the outcome and wake its long-polls in one script, only where the future still exists.
+    def _finish(self, rec: FutureRecord, status: FutureStatus, result: bytes, *, finished_at: str = "",
+                along: Sequence[ScriptCall] = (), **failure: str) -> tuple[bool, list[Any]]:
+        """Write the outcome and wake its long-polls in one script, only where the future still exists; in the
+        same round trip, release the key's backlog and run the scripts `along`. Whether the outcome was written,
+        and the replies of `along`.
 
         A broker that restarted without persistence lost the record: writing then would leave a partial
         record nobody owns (and the API already reports such a future as lost). One script, not a check and
         a write, because a client retrying a write across a broker restart must not recreate it either."""
-        refused = self.futures.run(lifecycle.finish(self.keys, rec.request_id, status, result, ttl=self.future_ttl,
-                                                    fence_key=self._fence_key(), token=self._fence_token(),
-                                                    failure=failure))
+        call = lifecycle.finish(self.keys, rec.request_id, status, result, ttl=self.future_ttl,
+                                fence_key=self._fence_key(), token=self._fence_token(), failure=failure,
+                                finished_at=finished_at)
+        backlog = self.backlog
+        if backlog is None:
+            refused, replies = self.futures.run_with(call, along)
+            return self._written(rec, refused), replies
+        with backlog.lock:  # held until the released ops are sent: each key's go out in backlog order
+            refused, [released, *replies] = self.futures.run_with(
+                call, [backlog.release_call(rec.owner, rec.request_id), *along])
+            if refused is not Refused.FENCED_OFF:
+                self._dispatch_released(rec, backlog, released)
+            elif not isinstance(released, Exception):
+                backlog.put_back(rec.owner, released)  # for the worker that holds the queue now to send
+        return self._written(rec, refused), replies
+
+    def _written(self, rec: FutureRecord, refused: Refused | None) -> bool:
         if refused is Refused.FENCED_OFF:
             self._fenced_off(rec, "has its outcome dropped")
             return False
         if refused is Refused.GONE:
             log.warning("future %s vanished from the broker (restarted?); its outcome is dropped", rec.request_id)
-        self._release_backlog(rec)
         return refused is None
+
+    def _dispatch_released(self, rec: FutureRecord, backlog: BacklogRelease, released: Any) -> None:
+        try:
+            if isinstance(released, Exception):
+                raise released
+            backlog.dispatch(rec.owner, released, self.send_released)
+        except Exception:  # the broker is away; the heartbeat's sweep sends them once it is back
+            log.warning("backlog of %s not released (the heartbeat retries)", rec.owner, exc_info=True)
 
     # -- the pool lease (twinkle.pool_lease) ----------------------------------------------------
 

@@ -102,3 +102,20 @@ def test_failures_are_kept_newest_first_and_capped(store: tuple[redis.Redis, Key
         metrics.record_failure(op(Op.FORWARD_BACKWARD), InvalidRequest(f"bad input {i}", hint="Fix it."))
     assert r.llen(keys.recent_errors()) == 100
     assert b"bad input 104 Fix it." in r.lindex(keys.recent_errors(), 0)
+
+
+def test_metrics_sent_along_with_a_finish_count_only_where_that_finish_was_written(
+        store: tuple[redis.Redis, Keys]) -> None:
+    r, keys = store
+    metrics = RunMetrics(r, keys)
+    mine, theirs = op(Op.OPTIM_STEP), op(Op.OPTIM_STEP)
+    r.hset(keys.future(mine.request_id), "finished_at", "1700000000.25")
+    r.hset(keys.future(theirs.request_id), "finished_at", "1700000009.5")  # another worker's outcome
+
+    for rec in (mine, theirs):
+        call = metrics.call(rec, {"metrics": {"grad_norm:mean": 1.0}}, finished_at="1700000000.25")
+        assert call is not None
+        run_together(r, [call])
+
+    assert [e["step"] for e in entries(r, keys)] == [1]
+    assert ModelRecord.from_hash(r.hgetall(keys.model(RUN))).steps == 1

@@ -170,11 +170,12 @@ def _began(reply: Any) -> int | Refused:
 
 
 def finish(keys: Keys, request_id: str, status: FutureStatus, result: bytes, *, ttl: int, fence_key: str = "",
-           token: str = "", failure: dict[str, str] | None = None) -> Call[Refused | None]:
+           token: str = "", failure: dict[str, str] | None = None, finished_at: str = "") -> Call[Refused | None]:
     """Write the outcome (`result` b'' = none; `failure` its error, category and code), drop the payload and wake
-    the long-polls, only where the record still exists. None when written, else why not."""
-    fields = [str(x) for kv in {"status": status.value, "finished_at": time.time(), **(failure or {})}.items()
-              for x in kv]
+    the long-polls, only where the record still exists. None when written, else why not. `finished_at` (default:
+    now) is what the record's field will read, so that a write sent along can tell this outcome was written."""
+    fields = [str(x) for kv in {"status": status.value, "finished_at": finished_at or str(time.time()),
+                                **(failure or {})}.items() for x in kv]
     return script(scripts.FINISH, [keys.future(request_id), keys.blob_out(request_id), keys.blob_in(request_id),
                                    fence_key],
                   [ttl, result, keys.done_channel(request_id), status.value, token, *fields], _finished)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import redis
 from redis.commands.core import Script
 
 from twinkle.ledger.call import Call
+from twinkle.script_batch import ScriptCall, run_together
 
 T = TypeVar("T")
 
@@ -29,6 +31,15 @@ class SyncLedger:
             pipe.execute_command(*command)
         replies: list[Any] = pipe.execute()
         return call.decode(replies)
+
+    def run_with(self, call: Call[T], along: Sequence[ScriptCall]) -> tuple[T, list[Any]]:
+        """The script `call` and, after it in the same round trip, the scripts `along` (twinkle.script_batch): the
+        call's answer, and the replies of the others in order (an error in the place of one that failed)."""
+        assert call.script, "only a script call is sent along with others"
+        replies = run_together(self.r, [ScriptCall(self._registered(call.script), call.keys, call.args), *along])
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        return call.decode(replies[0]), replies[1:]
 
     def _registered(self, source: str) -> Script:
         registered = self._scripts.get(source)

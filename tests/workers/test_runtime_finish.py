@@ -1,0 +1,111 @@
+"""What a pool writes once an op ran goes in one round trip: the outcome, the key's backlog release, the run's
+metrics and the usage. Metrics count only an outcome this worker wrote; a worker fenced off its queue writes
+nothing and leaves what the release would have sent parked, for the queue's new holder."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.connection import Connection
+
+from twinkle.backlog import ADMIT, MIN_SHARE, BacklogKeys, BacklogRelease, Parked
+from twinkle.futures import FutureRecord, FutureStatus, Op
+from twinkle.keys import Keys
+from twinkle.pool_lease import PoolLease
+from twinkle.records import ModelRecord
+from twinkle.run_metrics import parse_entry
+from twinkle.usage import UsageLedger
+from workers.runtime import PoolRuntime
+
+QUEUE = "model.pool.0"
+MODEL = "s1:train:0"
+
+
+class Pool:
+    def __init__(self, r: redis.Redis, keys: Keys) -> None:
+        self.r, self.keys = r, keys
+        self.lost: list[str] = []
+        self.lease = PoolLease(r, keys, QUEUE, 30, on_lost=self.lost.append)
+        self.lease.acquire()
+        self.sent: list[str] = []
+        self.during = lambda: None
+        self.runtime = PoolRuntime(r, keys, QUEUE, {Op.OPTIM_STEP: self.optim_step}, future_ttl=60,
+                                   lease=self.lease)
+        self.runtime.backlog = BacklogRelease(r, keys, QUEUE, window=2, ttl=60)
+        self.runtime.send = lambda parked: self.sent.append(parked.request_id)
+        self.runtime.ledger = UsageLedger(r, keys)
+        self.runtime.usage_model = "tiny"
+        r.hset(keys.model(MODEL), mapping=ModelRecord(MODEL, "t", "s1", "tiny", "app", QUEUE).to_hash())
+
+    def optim_step(self, rec: FutureRecord, _payload: Any) -> dict[str, Any]:
+        self.during()
+        return {"metrics": {"grad_norm:mean": 0.5}}
+
+    def submit(self, request_id: str) -> bool:
+        """Accept an op as the API does: its record, then its key's admission (False: parked in the backlog)."""
+        rec = FutureRecord(request_id=request_id, op=Op.OPTIM_STEP, owner="t", model_id=MODEL, queue=QUEUE,
+                           created_at=time.time())
+        self.r.hset(self.keys.future(request_id), mapping=rec.to_hash())
+        admitted = self.r.register_script(ADMIT)(keys=BacklogKeys(self.keys).of(QUEUE, "t"), args=[
+            "t", request_id, Op.OPTIM_STEP, MODEL, 2, MIN_SHARE, 60, time.time()])
+        return bool(int(admitted))
+
+    def parked(self) -> list[str]:
+        return [Parked.decode(raw).request_id
+                for raw in self.r.lrange(BacklogKeys(self.keys).parked(QUEUE, "t"), 0, -1)]
+
+    def steps(self) -> list[int]:
+        return [parse_entry(raw)["step"] for raw in self.r.lrange(self.keys.run_metrics(MODEL), 0, -1)]
+
+
+@pytest.fixture
+def pool(redis_keys: tuple[redis.Redis, Keys]) -> Iterator[Pool]:
+    yield Pool(*redis_keys)
+
+
+def test_the_outcome_release_metrics_and_usage_of_an_op_take_one_round_trip(
+        pool: Pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert pool.submit("op0")
+    sends: list[int] = []
+    original = Connection.send_packed_command
+
+    def counted(self: Connection, command: Any, check_health: bool = True) -> None:
+        sends.append(1)
+        original(self, command, check_health)
+
+    after_handler: list[int] = []
+    pool.during = lambda: after_handler.append(len(sends))
+    monkeypatch.setattr(Connection, "send_packed_command", counted)
+    pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL)
+    monkeypatch.undo()
+
+    assert len(sends) - after_handler[0] == 1
+    assert FutureRecord.from_hash(pool.r.hgetall(pool.keys.future("op0"))).state is FutureStatus.COMPLETED
+    assert pool.steps() == [1]
+    assert UsageLedger(pool.r, pool.keys).totals("t", "day")  # the op's usage was counted
+    assert pool.r.zcard(BacklogKeys(pool.keys).sent(QUEUE, "t")) == 0  # and its key's count released
+
+
+def test_a_finished_op_sends_its_keys_next_parked_op(pool: Pool) -> None:
+    assert [pool.submit(f"op{i}") for i in range(3)] == [True, True, False]  # a share of 2: the third is parked
+    pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL)
+    assert pool.sent == ["op2"] and pool.parked() == []
+
+
+def test_a_worker_fenced_off_while_an_op_ran_leaves_the_release_parked_and_counts_no_metrics(pool: Pool) -> None:
+    assert [pool.submit(f"op{i}") for i in range(3)] == [True, True, False]
+
+    def take_over() -> None:
+        pool.r.delete(pool.keys.pool_lease(QUEUE))
+        PoolLease(pool.r, pool.keys, QUEUE, 30, on_lost=pool.lost.append).acquire()
+
+    pool.during = take_over
+    pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL)
+
+    assert FutureRecord.from_hash(pool.r.hgetall(pool.keys.future("op0"))).state is FutureStatus.RUNNING
+    assert pool.sent == [] and pool.parked() == ["op2"]  # for the queue's new holder to send
+    assert pool.steps() == [] and len(pool.lost) == 1
