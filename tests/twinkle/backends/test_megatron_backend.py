@@ -393,6 +393,9 @@ _RANK_SCRIPT = textwrap.dedent(
     result = {"first": first.metrics, "step": step,
               "logprobs": [o["logprobs"].tolist() for o in second.loss_fn_outputs]}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    # both ranks leave the group together: a rank whose peer hung up first can abort in gloo's teardown
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     """
 )
 
