@@ -22,6 +22,13 @@ then the ratios Twinkle / floor per round and over all rounds. Every figure come
 raised), timeouts (a result later than `--timeout`) and the non-2xx answers the server gave (Twinkle's access
 log, which writes every status >= 400 even at WARNING; the stand-in counts its own).
 
+Every process's CPU time (user + system) is counted over the single-client steps and over the 16-client
+window: this process (the SDK clients), and each process of the server (the stand-in; Twinkle's API, pool
+worker, broker and launcher), in milliseconds per step. Client and server share the machine's cores, so the
+sum bounds the aggregate (`cores / CPU per step`), and the last line says what the cores leave the server for
+the 16-client target: at 0.8x the floor's rate each step gets `cores / rate` of CPU, the SDK clients take
+theirs, and the rest is what the server may spend.
+
 `--trace N` follows N more Twinkle steps op by op: the SDK's submit and result times next to the future
 record's own (accepted by the API, begun and finished by the pool worker), read from the launch's embedded
 broker, and prints the median of each stage.
