@@ -43,6 +43,7 @@ from api.routes import (
 )
 from api.stability_records import StabilityRecords
 from api.store import Store
+from api.submits import Submits
 from api.usage_history import UsageHistory
 from twinkle import launched_process
 from twinkle.auth import KeyChecker
@@ -118,7 +119,7 @@ def create_app(config: ServerConfig, broker_url: str, *, long_poll_seconds: floa
                   responses=ERROR_RESPONSES,
                   description="Training as a service: many LoRA adapters on one base model.")
     app.state.ctx = ctx
-    errors.install(app)
+    error_answers = errors.install(app)
     prefix = api_prefix(config)
     # Routes are matched in order, one at a time: the ones every op calls first (the long-poll, the compute submits).
     for module in (futures, training, sampling, session, rest, exports, imports, downloads, tokenizer, twinkle,
@@ -130,6 +131,8 @@ def create_app(config: ServerConfig, broker_url: str, *, long_poll_seconds: floa
     setup_api_telemetry(app, config)
     # innermost: parks retrieve_future polls after the body checks, before the framework builds a request
     app.add_middleware(LongPolls, ctx=ctx, path=f"{prefix}/retrieve_future", answer_ended=not config.telemetry.enabled)
+    # innermost too: answers the training submits, before the framework builds a request
+    app.add_middleware(Submits, ctx=ctx, prefix=prefix, errors=error_answers, enabled=not config.telemetry.enabled)
     app.add_middleware(BodyLimit, max_bytes=config.storage.max_request_bytes,
                        max_control_bytes=config.storage.max_control_request_bytes,
                        max_upload_bytes=config.storage.max_adapter_upload_bytes)

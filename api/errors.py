@@ -47,23 +47,49 @@ def error_response(request: Request, exc: TwinkleError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
-def install(app: FastAPI) -> None:
-    tarpit = Tarpit()
+class ErrorAnswers:
+    """The answers to a route's exceptions, shared by the app's handlers and the middleware that answers the
+    training submits without the framework (api/submits.py): one tarpit for both."""
 
-    @app.exception_handler(TwinkleError)
-    async def _twinkle(request: Request, exc: TwinkleError) -> JSONResponse:
+    def __init__(self) -> None:
+        self.tarpit = Tarpit()
+
+    async def twinkle(self, request: Request, exc: TwinkleError) -> JSONResponse:
         tenant = getattr(request.state, "tenant", None)
         if isinstance(exc, RateLimited) and tenant:
-            exc.details["retry_after"] = await tarpit.refuse(tenant, float(exc.details.get("retry_after", 1)))
+            exc.details["retry_after"] = await self.tarpit.refuse(tenant, float(exc.details.get("retry_after", 1)))
         return error_response(request, exc)
 
-    async def _broker_down(request: Request, exc: Exception) -> JSONResponse:
+    async def broker_down(self, request: Request, exc: Exception) -> JSONResponse:
         log.warning("broker unreachable in %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         return error_response(request, BrokerUnavailable(
             "The server's queue (Redis) is unreachable.", hint="Retry in a few seconds."))
 
+    async def unexpected(self, request: Request, exc: Exception) -> JSONResponse:
+        failure = storage_failure(exc)  # a full or read-only checkpoint disk is the operator's, and says so
+        if failure is not None:
+            log.error("checkpoint storage failed in %s %s: %s", request.method, request.url.path, exc)
+            return error_response(request, failure)
+        rid = request_id_of(request)
+        log.exception("unhandled error in %s %s (request %s)", request.method, request.url.path, rid)
+        return JSONResponse({"error": f"Internal server error. Report request id {rid} to the operator.",
+                             "category": "server", "code": "internal_error", "request_id": rid},
+                            status_code=500, headers={"x-request-id": rid})
+
+    async def answer(self, request: Request, exc: Exception) -> JSONResponse:
+        """What the app answers a route that raised `exc` (a TwinkleError, a broker error, anything else)."""
+        if isinstance(exc, TwinkleError):
+            return await self.twinkle(request, exc)
+        if isinstance(exc, BROKER_ERRORS):
+            return await self.broker_down(request, exc)
+        return await self.unexpected(request, exc)
+
+
+def install(app: FastAPI) -> ErrorAnswers:
+    answers = ErrorAnswers()
+    app.add_exception_handler(TwinkleError, answers.twinkle)  # type: ignore[arg-type]
     for broker_error in BROKER_ERRORS:
-        app.add_exception_handler(broker_error, _broker_down)
+        app.add_exception_handler(broker_error, answers.broker_down)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -92,14 +118,5 @@ def install(app: FastAPI) -> None:
                              "request_id": rid}, status_code=exc.status_code,
                             headers={"x-request-id": rid, "x-should-retry": "false", **(exc.headers or {})})
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        failure = storage_failure(exc)  # a full or read-only checkpoint disk is the operator's, and says so
-        if failure is not None:
-            log.error("checkpoint storage failed in %s %s: %s", request.method, request.url.path, exc)
-            return error_response(request, failure)
-        rid = request_id_of(request)
-        log.exception("unhandled error in %s %s (request %s)", request.method, request.url.path, rid)
-        return JSONResponse({"error": f"Internal server error. Report request id {rid} to the operator.",
-                             "category": "server", "code": "internal_error", "request_id": rid},
-                            status_code=500, headers={"x-request-id": rid})
+    app.add_exception_handler(Exception, answers.unexpected)
+    return answers

@@ -81,6 +81,11 @@ class FutureHandle(Answer):
                                  "of no run (encode).")
 
 
+def future_handle(request_id: str, model_id: str | None = None) -> dict[str, str]:
+    """A `FutureHandle` answer's body (`model_id` left out when empty)."""
+    return {"request_id": request_id, "model_id": model_id} if model_id else {"request_id": request_id}
+
+
 class ModelData(Answer):
     arch: str | None
     model_name: str

@@ -8,10 +8,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from api import tinker_submits
 from api.context import ApiContext
 from api.deps import Ctx, Policy, Tenant
 from api.responses.answer import described_by
-from api.responses.tinker import FutureHandle, ModelInfo
+from api.responses.tinker import FutureHandle, ModelInfo, future_handle
 from api.schemas import (
     CreateModelBody,
     LoadWeightsBody,
@@ -22,7 +23,6 @@ from api.schemas import (
     checked_new_id,
 )
 from api.services import checkpoints, training
-from api.tinker_codec import adam_params_from_json, decode_forward_backward
 from twinkle.checkpoints import new_checkpoint_name, validate_name
 from twinkle.errors import InvalidRequest, PayloadTooLarge
 from twinkle.futures import Op
@@ -59,13 +59,6 @@ def _batch_body(input_key: str) -> dict[str, Any]:
     }}}
 
 
-def _future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"request_id": request_id}
-    if model_id:
-        body["model_id"] = model_id
-    return body
-
-
 def training_mode(body: CreateModelBody) -> str:
     """`lora` or `full`, from the body's field or (the Tinker SDK's way) its user_metadata; both must agree."""
     metadata = (body.user_metadata or {}).get("training_mode")
@@ -97,7 +90,7 @@ async def create_model(body: CreateModelBody, ctx: Ctx, tenant: Tenant, policy: 
     record, rid = await training.create_model(ctx, tenant, policy, spec, session_id=body.session_id,
                                               model_seq_id=body.model_seq_id, base_model=body.base_model,
                                               user_metadata=body.user_metadata)
-    return _future(rid, record.model_id)
+    return future_handle(rid, record.model_id)
 
 
 @router.post("/get_info", response_model=described_by(ModelInfo))
@@ -130,13 +123,10 @@ async def _forward(request: Request, ctx: ApiContext, tenant: str, policy: Tenan
         raise PayloadTooLarge(f"The request body has {max(declared, len(body))} bytes; the limit is "
                               f"{ctx.max_request_bytes}.",
                               hint="Send the batch in smaller chunks.")
-    meta, batch, _is_proto = decode_forward_backward(
-        body, request.headers.get("content-type", ""), request.headers.get("content-encoding"),
-        max_bytes=ctx.max_request_bytes, vocab_size=None)
-    record, rid = await training.forward_backward(ctx, tenant, policy, meta.model_id, batch, seq_id=meta.seq_id,
-                                                  forward_only=forward_only or meta.forward_only,
-                                                  provenance=meta.provenance)
-    return _future(rid, record.model_id)
+    record, rid = await tinker_submits.forward_backward(
+        ctx, tenant, policy, body, request.headers.get("content-type", ""), request.headers.get("content-encoding"),
+        forward_only=forward_only)
+    return future_handle(rid, record.model_id)
 
 
 @router.post("/forward_backward", response_model=described_by(FutureHandle),
@@ -152,13 +142,8 @@ async def forward(request: Request, ctx: Ctx, tenant: Tenant, policy: Policy) ->
 
 @router.post("/optim_step", response_model=described_by(FutureHandle))
 async def optim_step(body: OptimStepBody, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
-    if body.adam_params is None:
-        raise InvalidRequest("optim_step needs adam_params.", hint="Only the Adam optimizer is supported.")
-    record = await ctx.store.model_to_submit(body.model_id, tenant)
-    params = adam_params_from_json(body.adam_params.model_dump())
-    rid = await training.submit_op(ctx, tenant, policy, record, Op.OPTIM_STEP, params, seq_id=body.seq_id,
-                                   check_model=True)
-    return _future(rid, record.model_id)
+    record, rid = await tinker_submits.optim_step(ctx, tenant, policy, body)
+    return future_handle(rid, record.model_id)
 
 
 @router.post("/save_weights", response_model=described_by(FutureHandle))
@@ -168,7 +153,7 @@ async def save_weights(body: SaveWeightsBody, ctx: Ctx, tenant: Tenant, policy: 
     req = SaveRequest(name=name, kind="weights", include_optimizer=True, overwrite=body.overwrite,
                       ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata or {})
     rid = await checkpoints.save(ctx, tenant, policy, record, Op.SAVE_STATE, req, seq_id=body.seq_id)
-    return _future(rid, record.model_id)
+    return future_handle(rid, record.model_id)
 
 
 @router.post("/save_weights_for_sampler", response_model=described_by(FutureHandle))
@@ -185,7 +170,7 @@ async def save_weights_for_sampler(body: SaveWeightsForSamplerBody, ctx: Ctx, te
     req = SaveRequest(name=name, kind="sampler_weights", include_optimizer=False, ttl_seconds=body.ttl_seconds,
                       user_metadata=body.user_metadata or {}, sampling_session_id=sampling_session_id)
     rid = await checkpoints.save(ctx, tenant, policy, record, Op.SAVE_WEIGHTS_FOR_SAMPLER, req, seq_id=body.seq_id)
-    return _future(rid, record.model_id)
+    return future_handle(rid, record.model_id)
 
 
 @router.post("/load_weights", response_model=described_by(FutureHandle))
@@ -194,10 +179,10 @@ async def load_weights(body: LoadWeightsBody, ctx: Ctx, tenant: Tenant, policy: 
         ctx, tenant, policy, body.path, model_id=body.model_id, optimizer=body.optimizer, seq_id=body.seq_id,
         session_id=body.session_id, model_seq_id=body.model_seq_id, base_model=body.base_model,
         user_metadata=body.user_metadata)
-    return _future(rid, record.model_id)
+    return future_handle(rid, record.model_id)
 
 
 @router.post("/unload_model", response_model=described_by(FutureHandle))
 async def unload_model(body: ModelRef, ctx: Ctx, tenant: Tenant, policy: Policy) -> dict[str, Any]:
     record, rid = await training.unload_model(ctx, tenant, policy, body.model_id)
-    return _future(rid, record.model_id)
+    return future_handle(rid, record.model_id)

@@ -1,0 +1,196 @@
+"""The training submits are answered before the framework, with the bytes and headers the route answers, errors
+included; a request the middleware cannot read as the route would accept it goes to the app untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import uvicorn
+
+from api import submits
+from api.app import create_app
+from tests.harness import REDIS_HOST, REDIS_PORT, free_port, require_redis
+from twinkle.auth import tenant_id
+from twinkle.config import parse_config
+from twinkle.futures import FutureRecord
+from twinkle.keys import Keys
+from twinkle.records import ModelRecord
+
+KEY = "tml-submits"
+
+
+@dataclass
+class Served:
+    http: httpx.AsyncClient
+    app: Any
+    redis: redis.Redis
+    keys: Keys
+    answered_here: list[bytes]
+
+    def model(self, owner_key: str = KEY, status: str = "active") -> str:
+        model_id = f"s{uuid.uuid4().hex[:8]}:train:0"
+        base = next(iter(self.app.state.ctx.catalog.models))
+        queue = self.app.state.ctx.catalog.models[base].model_queues[0]
+        record = ModelRecord(model_id, tenant_id(owner_key), "s", base, "m", queue, status=status)
+        self.redis.hset(self.keys.model(model_id), mapping=record.to_hash())
+        return model_id
+
+    def future(self, request_id: str) -> FutureRecord:
+        return FutureRecord.from_hash(self.redis.hgetall(self.keys.future(request_id)))
+
+
+@pytest.fixture
+async def served(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Served]:
+    """The API on its own (no pool worker: submitted ops stay queued); `request.param`: the pool's extra args."""
+    require_redis()
+    prefix = f"test-submits-{uuid.uuid4().hex[:8]}:"
+    config = parse_config({"persistence": {"key_prefix": prefix}, "applications": [
+        {"name": "m", "route_prefix": "/api/v1/model/x", "import_path": "model",
+         "args": {"backend": "mock", "model_id": "/nonexistent/x", **getattr(request, "param", {})}}]})
+    app = create_app(config, f"redis://{REDIS_HOST}:{REDIS_PORT}/2", long_poll_seconds=1)
+    answered_here: list[bytes] = []
+    render = submits.finite_json_bytes
+    monkeypatch.setattr(submits, "finite_json_bytes", lambda body: answered_here.append(b := render(body)) or b)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not serving.done(), "the server did not start"
+        await asyncio.sleep(0.01)
+    r = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=2)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/api/v1", headers={"X-API-Key": KEY},
+                                 timeout=30) as http:
+        yield Served(http, app, r, Keys(prefix), answered_here)
+    server.should_exit = True
+    await serving
+    for key in r.scan_iter(match=f"{prefix}*"):
+        r.delete(key)
+    r.close()
+
+
+def fb_body(model_id: str, loss_fn: str = "cross_entropy") -> dict[str, Any]:
+    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+             "loss_fn_inputs": {"target_tokens": {"data": [6, 7, 8], "dtype": "int64"},
+                                "weights": {"data": [1.0, 1.0, 1.0], "dtype": "float32"}}}
+    return {"model_id": model_id, "forward_backward_input": {"data": [datum], "loss_fn": loss_fn}}
+
+
+def optim_body(model_id: str, **extra: Any) -> dict[str, Any]:
+    return {"model_id": model_id, "adam_params": {"learning_rate": 1e-4}, **extra}
+
+
+async def by_route(served: Served, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any],
+                   **kwargs: Any) -> httpx.Response:
+    """The same request, handed on to the app by the middleware (as one it cannot read would be)."""
+    with monkeypatch.context() as patched:
+        patched.setattr(submits.Submits, "_submit_of", lambda *_: None)
+        return await served.http.post(path, json=body, **kwargs)
+
+
+def same_headers(response: httpx.Response) -> list[tuple[str, str]]:
+    """The answer's headers, in order, but its date and its request id (each answer has its own)."""
+    assert response.headers.get("x-request-id")
+    return [(name, value) for name, value in response.headers.items() if name not in ("date", "x-request-id")]
+
+
+def without_ids(response: httpx.Response) -> dict[str, Any]:
+    body = dict(response.json())
+    body.pop("request_id", None)  # each submit is a future of its own, each answer an x-request-id of its own
+    return body
+
+
+@pytest.mark.parametrize(("path", "body"), [("/forward_backward", fb_body), ("/forward", fb_body),
+                                            ("/optim_step", optim_body)])
+async def test_a_submit_is_answered_by_the_middleware_as_the_route_answers_it(
+        served: Served, monkeypatch: pytest.MonkeyPatch, path: str, body: Any) -> None:
+    model_id = served.model()
+    mine = await served.http.post(path, json=body(model_id))
+    assert served.answered_here == [mine.content]  # by the middleware, not passed on to the route
+    theirs = await by_route(served, monkeypatch, path, body(model_id))
+    assert served.answered_here == [mine.content]
+    assert mine.status_code == theirs.status_code == 200
+    assert mine.content == theirs.content.replace(theirs.json()["request_id"].encode(),
+                                                  mine.json()["request_id"].encode())
+    assert same_headers(mine) == same_headers(theirs)
+    assert mine.json() == {"request_id": mine.json()["request_id"], "model_id": model_id}
+    submitted = [served.future(response.json()["request_id"]) for response in (mine, theirs)]
+    assert {(f.op, f.owner, f.model_id, f.queue, f.status) for f in submitted} == {
+        (submitted[0].op, tenant_id(KEY), model_id, submitted[0].queue, submitted[0].status)}
+    assert submitted[0].op == path.strip("/")
+
+
+ERRORS = {
+    "a model that does not exist": (lambda s: "s0:train:0", 404),
+    "another caller's model": (lambda s: s.model(owner_key="tml-someone-else"), 404),
+    "a model that was unloaded": (lambda s: s.model(status="unloaded"), 410),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+@pytest.mark.parametrize("path", ["/forward_backward", "/optim_step"])
+async def test_a_submit_that_fails_is_answered_as_the_route_answers_it(
+        served: Served, monkeypatch: pytest.MonkeyPatch, case: str, path: str) -> None:
+    make_model, status = ERRORS[case]
+    model_id = make_model(served)
+    body = fb_body(model_id) if path == "/forward_backward" else optim_body(model_id)
+    mine = await served.http.post(path, json=body)
+    theirs = await by_route(served, monkeypatch, path, body)
+    assert mine.status_code == theirs.status_code, (mine.text, theirs.text)
+    assert mine.status_code == status or mine.status_code // 100 == 4, mine.text
+    assert without_ids(mine) == without_ids(theirs) and same_headers(mine) == same_headers(theirs)
+    assert mine.json()["request_id"] == mine.headers["x-request-id"]
+    assert mine.headers["x-should-retry"] == "false"
+    assert served.answered_here == []  # errors go out through the app's own error answers
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/forward_backward", lambda m: fb_body(m, loss_fn="no_such_loss")),
+    ("/optim_step", lambda m: {"model_id": m}),  # valid JSON, but no adam_params: the submit refuses it
+])
+async def test_a_submit_the_service_refuses_is_answered_as_the_route_answers_it(
+        served: Served, monkeypatch: pytest.MonkeyPatch, path: str, body: Any) -> None:
+    model_id = served.model()
+    mine = await served.http.post(path, json=body(model_id))
+    theirs = await by_route(served, monkeypatch, path, body(model_id))
+    assert mine.status_code == theirs.status_code == 400, mine.text
+    assert without_ids(mine) == without_ids(theirs) and same_headers(mine) == same_headers(theirs)
+
+
+async def test_requests_the_middleware_cannot_read_are_answered_by_the_app_as_before(served: Served) -> None:
+    model_id = served.model()
+    cases = [
+        ("/optim_step", "no key", {"json": optim_body(model_id), "headers": {"X-API-Key": ""}}, 401),
+        ("/forward_backward", "no key", {"json": fb_body(model_id), "headers": {"X-API-Key": ""}}, 401),
+        ("/optim_step", "not JSON", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400),
+        ("/optim_step", "a field of the wrong type", {"json": optim_body(model_id, seq_id="first")}, 400),
+        ("/optim_step", "no model id", {"json": {"adam_params": {"learning_rate": 1e-4}}}, 400),
+    ]
+    for path, what, request, status in cases:
+        r = await served.http.post(path, **request)
+        assert r.status_code == status, (path, what, r.text)
+        assert r.json()["request_id"] == r.headers["x-request-id"], what
+    assert served.answered_here == []
+
+
+@pytest.mark.parametrize("served", [{"queue_config": {"rps_limit": 0.2, "window_seconds": 5}}], indirect=True)
+async def test_a_rate_limited_submit_gets_the_apps_429_with_its_retry_after(served: Served) -> None:
+    model_id = served.model()
+    first = await served.http.post("/optim_step", json=optim_body(model_id))
+    began = time.monotonic()
+    refused = await served.http.post("/optim_step", json=optim_body(model_id))
+    assert first.status_code == 200 and refused.status_code == 429, refused.text
+    assert refused.json()["code"] == "rate_limited" and refused.json()["category"] == "user"
+    assert int(refused.headers["Retry-After"]) >= 1 and int(refused.headers["Retry-After-Ms"]) >= 1
+    assert refused.headers["x-should-retry"] == "true"
+    assert time.monotonic() - began < 1.0  # within the key's free refusals: the tarpit holds nothing
+    assert json.loads(refused.content)["request_id"] == refused.headers["x-request-id"]
