@@ -18,6 +18,7 @@ import uvicorn
 
 from api import submits
 from api.app import create_app
+from tests.api.test_tinker_codec import ce_datum, sdk_forward_backward_body
 from tests.harness import REDIS_HOST, REDIS_PORT, free_port, require_redis
 from twinkle.auth import tenant_id
 from twinkle.config import parse_config
@@ -36,8 +37,8 @@ class Served:
     keys: Keys
     answered_here: list[bytes]
 
-    def model(self, owner_key: str = KEY, status: str = "active") -> str:
-        model_id = f"s{uuid.uuid4().hex[:8]}:train:0"
+    def model(self, owner_key: str = KEY, status: str = "active", model_id: str = "") -> str:
+        model_id = model_id or f"s{uuid.uuid4().hex[:8]}:train:0"
         base = next(iter(self.app.state.ctx.catalog.models))
         queue = self.app.state.ctx.catalog.models[base].model_queues[0]
         record = ModelRecord(model_id, tenant_id(owner_key), "s", base, "m", queue, status=status)
@@ -127,6 +128,22 @@ async def test_a_submit_is_answered_by_the_middleware_as_the_route_answers_it(
     assert {(f.op, f.owner, f.model_id, f.queue, f.status) for f in submitted} == {
         (submitted[0].op, tenant_id(KEY), model_id, submitted[0].queue, submitted[0].status)}
     assert submitted[0].op == path.strip("/")
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["protobuf", "protobuf with zstd"])
+async def test_the_sdks_protobuf_forward_backward_is_answered_by_the_middleware_as_the_route_answers_it(
+        served: Served, monkeypatch: pytest.MonkeyPatch, compress: bool) -> None:
+    model_id = served.model(model_id="s1:train:0")  # the model the SDK's recorded request names
+    body, headers = await asyncio.to_thread(sdk_forward_backward_body, [ce_datum([5, 6, 7, 8])], compress=compress)
+    mine = await served.http.post("/forward_backward", content=body, headers=headers)
+    assert served.answered_here == [mine.content], mine.text
+    with monkeypatch.context() as patched:
+        patched.setattr(submits.Submits, "_submit_of", lambda *_: None)
+        theirs = await served.http.post("/forward_backward", content=body, headers=headers)
+    assert mine.status_code == theirs.status_code == 200
+    assert without_ids(mine) == without_ids(theirs) == {"model_id": model_id}
+    assert same_headers(mine) == same_headers(theirs)
+    assert served.future(mine.json()["request_id"]).op == "forward_backward"
 
 
 ERRORS = {
