@@ -22,7 +22,8 @@ import redis
 
 from twinkle.errors import TwinkleError
 from twinkle.futures import FutureRecord, Op
-from twinkle.script_batch import ScriptCall
+from twinkle.ledger import lifecycle
+from twinkle.ledger.call import Call
 from twinkle.types import ForwardBackwardOutput
 
 log = logging.getLogger("twinkle.worker")
@@ -54,13 +55,12 @@ class RunMetrics:
     def __init__(self, r: redis.Redis, keys: Any) -> None:
         self.r = r
         self.keys = keys
-        self._append = r.register_script(_APPEND)
 
-    def call(self, rec: FutureRecord, result: Any, finished_at: str = "") -> ScriptCall | None:
-        """The script call that appends a finished op's metrics to its run (None: the op reports none), for the
-        pool to send along with the op's finish (twinkle.script_batch). With `finished_at`, it appends only if the
-        op's record says it finished then: the finish sent before it in the same round trip was written (not
-        refused, an outcome another worker wrote is not this one's to count)."""
+    def call(self, rec: FutureRecord, result: Any, finished_at: str = "") -> Call[int] | None:
+        """The ledger call that appends a finished op's metrics to its run (None: the op reports none), for the
+        pool to send along with the op's finish (`SyncLedger.run_with`). With `finished_at`, it appends only if
+        the op's record says it finished then: the finish sent before it in the same round trip was written (not
+        refused; an outcome another worker wrote is not this one's to count)."""
         if not rec.model_id or rec.op not in RECORDED_OPS:
             return None
         steps = rec.op in STEP_OPS and not (isinstance(result, dict) and result.get("stepped") is False)
@@ -68,9 +68,8 @@ class RunMetrics:
         if not metrics and not steps:
             return None
         entry = json.dumps({"op": rec.op, "t": round(time.time(), 3), "metrics": metrics}, separators=(",", ":"))
-        return ScriptCall(self._append, [self.keys.model(rec.model_id), self.keys.run_metrics(rec.model_id),
-                                         self.keys.future(rec.request_id)],
-                          [int(steps), entry, MAX_ENTRIES, finished_at])
+        return lifecycle.append_run_metrics(self.keys, rec.request_id, rec.model_id, steps=steps, entry=entry,
+                                            max_entries=MAX_ENTRIES, finished_at=finished_at)
 
     def record_failure(self, rec: FutureRecord, exc: TwinkleError) -> None:
         entry = json.dumps({"t": round(time.time(), 3), "op": rec.op, "queue": rec.queue, "owner": rec.owner,
@@ -123,18 +122,3 @@ def _combine(reduction: str, values: list[float]) -> float:
 
 # KEYS: model record, metrics list. ARGV: 1 when the op takes an optimizer step, the entry, the cap.
 # A model record that is gone (unloaded and deleted) gets nothing, so no residue is left behind.
-# KEYS: model, run metrics, future. ARGV: steps (1/0), entry, max entries, the op's finished_at ('' = unchecked).
-# Returns the step, -1 when the model is gone, -2 when the op's record does not say it finished at that time.
-_APPEND = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if ARGV[4] ~= '' and redis.call('HGET', KEYS[3], 'finished_at') ~= ARGV[4] then return -2 end
-local step
-if ARGV[1] == '1' then
-  step = redis.call('HINCRBY', KEYS[1], 'steps', 1)
-else
-  step = tonumber(redis.call('HGET', KEYS[1], 'steps') or '0') + 1
-end
-redis.call('RPUSH', KEYS[2], step .. ' ' .. ARGV[2])
-redis.call('LTRIM', KEYS[2], -tonumber(ARGV[3]), -1)
-return step
-"""

@@ -26,6 +26,7 @@ from twinkle.errors import AdapterGone, BackendFailure, TwinkleError, lost_state
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
 from twinkle.ledger import SyncLedger, lifecycle
+from twinkle.ledger.call import Call
 from twinkle.ledger.lifecycle import Refused
 from twinkle.pool_lease import PoolLease
 from twinkle.pool_reservation import PoolReservation
@@ -380,7 +381,7 @@ class PoolRuntime:
             self.metrics.record_failure(rec, exc)
 
     def _finish(self, rec: FutureRecord, status: FutureStatus, result: bytes, *, finished_at: str = "",
-                along: Sequence[ScriptCall] = (), **failure: str) -> tuple[bool, list[Any]]:
+                along: Sequence[Call[Any] | ScriptCall] = (), **failure: str) -> tuple[bool, list[Any]]:
         """Write the outcome and wake its long-polls in one script, only where the future still exists; in the
         same round trip, release the key's backlog and run the scripts `along`. Whether the outcome was written,
         and the replies of `along`.

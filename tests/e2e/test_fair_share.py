@@ -43,6 +43,7 @@ def test_a_keys_flood_of_ops_does_not_hold_back_another_keys_op(mock_server: Lau
                                                      "started_at") or 0)
         # In arrival order it would wait for the 64 heavy ops ahead of it in the broker queue. With fair share it
         # waits for the few that run while the pool reads its window from the broker (on this machine about 70
-        # messages a second; a heavy op here takes about 0.15 s) and then for about one more.
+        # messages a second; a heavy op here takes about 0.15 s) and then for about one more: 4-8 on an idle
+        # machine, 13 once with other test runs on its two cores.
         before_light = sum(when < light_started for when in started)
-        assert before_light <= 12, before_light
+        assert before_light <= WINDOW // 4, before_light

@@ -13,9 +13,9 @@ from tests.harness import REDIS_HOST, REDIS_PORT, require_redis
 from twinkle.errors import InvalidRequest
 from twinkle.futures import FutureRecord, Op
 from twinkle.keys import Keys
+from twinkle.ledger import SyncLedger
 from twinkle.records import ModelRecord
 from twinkle.run_metrics import MAX_ENTRIES, RunMetrics, parse_entry, step_series
-from twinkle.script_batch import run_together
 from twinkle.types import ForwardBackwardOutput
 
 RUN = "s1:train:0"
@@ -38,8 +38,7 @@ def record(metrics: RunMetrics, rec: FutureRecord, result: Any) -> None:
     """What a pool does with a finished op's metrics: send the call along with its other writes."""
     call = metrics.call(rec, result)
     if call is not None:
-        (reply,) = run_together(metrics.r, [call])
-        assert not isinstance(reply, Exception), reply
+        SyncLedger(metrics.r).run(call)
 
 
 def op(kind: str, model_id: str = RUN) -> FutureRecord:
@@ -115,7 +114,7 @@ def test_metrics_sent_along_with_a_finish_count_only_where_that_finish_was_writt
     for rec in (mine, theirs):
         call = metrics.call(rec, {"metrics": {"grad_norm:mean": 1.0}}, finished_at="1700000000.25")
         assert call is not None
-        run_together(r, [call])
+        SyncLedger(r).run(call)
 
     assert [e["step"] for e in entries(r, keys)] == [1]
     assert ModelRecord.from_hash(r.hgetall(keys.model(RUN))).steps == 1

@@ -181,6 +181,16 @@ def finish(keys: Keys, request_id: str, status: FutureStatus, result: bytes, *, 
                   [ttl, result, keys.done_channel(request_id), status.value, token, *fields], _finished)
 
 
+def append_run_metrics(keys: Keys, request_id: str, model_id: str, *, steps: bool, entry: str, max_entries: int,
+                       finished_at: str = "") -> Call[int]:
+    """Append a finished op's metrics entry to its run (twinkle.run_metrics); with `finished_at`, only where the
+    op's record carries that finish time, so that a finish refused or written by another worker counts nothing.
+    The step it counts toward, -1 when the model is gone, -2 when the finish was not that one."""
+    return script(scripts.APPEND_RUN_METRICS,
+                  [keys.model(model_id), keys.run_metrics(model_id), keys.future(request_id)],
+                  [int(steps), entry, max_entries, finished_at], int)
+
+
 def _finished(reply: Any) -> Refused | None:
     written = int(reply)
     return None if written == 1 else Refused.GONE if written == 0 else Refused(written)

@@ -293,3 +293,22 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 return 1
 """
+
+# KEYS: model, its run metrics list, the op's future. ARGV: steps (1/0), entry, max entries, the op's finished_at
+# ('' = unchecked). Appends `<step> <entry>` to the run's capped list, counting an optimizer step in the model
+# record; with a finished_at, only where the op's record says it finished then (its finish was written by the
+# worker that sends this along with it). Returns the step, -1 when the model is gone, -2 when the finish is not
+# this one.
+APPEND_RUN_METRICS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if ARGV[4] ~= '' and redis.call('HGET', KEYS[3], 'finished_at') ~= ARGV[4] then return -2 end
+local step
+if ARGV[1] == '1' then
+  step = redis.call('HINCRBY', KEYS[1], 'steps', 1)
+else
+  step = tonumber(redis.call('HGET', KEYS[1], 'steps') or '0') + 1
+end
+redis.call('RPUSH', KEYS[2], step .. ' ' .. ARGV[2])
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[3]), -1)
+return step
+"""

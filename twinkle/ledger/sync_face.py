@@ -32,14 +32,20 @@ class SyncLedger:
         replies: list[Any] = pipe.execute()
         return call.decode(replies)
 
-    def run_with(self, call: Call[T], along: Sequence[ScriptCall]) -> tuple[T, list[Any]]:
-        """The script `call` and, after it in the same round trip, the scripts `along` (twinkle.script_batch): the
-        call's answer, and the replies of the others in order (an error in the place of one that failed)."""
-        assert call.script, "only a script call is sent along with others"
-        replies = run_together(self.r, [ScriptCall(self._registered(call.script), call.keys, call.args), *along])
+    def run_with(self, call: Call[T], along: Sequence[Call[Any] | ScriptCall]) -> tuple[T, list[Any]]:
+        """The script `call` and, after it in the same round trip, the scripts `along` (the ledger's own calls or
+        others' registered scripts, twinkle.script_batch): the call's answer, and the replies of the others in
+        order, decoded where they are the ledger's (an error in the place of one that failed)."""
+        sent = [self._script_call(call), *(self._script_call(c) if isinstance(c, Call) else c for c in along)]
+        replies = run_together(self.r, sent)
         if isinstance(replies[0], Exception):
             raise replies[0]
-        return call.decode(replies[0]), replies[1:]
+        return call.decode(replies[0]), [c.decode(reply) if isinstance(c, Call) and not isinstance(reply, Exception)
+                                         else reply for c, reply in zip(along, replies[1:], strict=True)]
+
+    def _script_call(self, call: Call[Any]) -> ScriptCall:
+        assert call.script, "only a script call is sent along with others"
+        return ScriptCall(self._registered(call.script), call.keys, call.args)
 
     def _registered(self, source: str) -> Script:
         registered = self._scripts.get(source)
