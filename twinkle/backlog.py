@@ -108,7 +108,10 @@ class BacklogRelease:
         return self._release(keys=call.keys, args=call.args)
 
     def dispatch(self, tenant: str, reply: Any, send: Callable[[Parked], None]) -> int:
-        """Send the ops a release call's `reply` released, and then whatever more may follow them. Under `lock`."""
+        """Send the ops a release call's `reply` released, and then whatever more may follow them. Under `lock`.
+        A reply that is an error (the release failed in its batch, twinkle.script_batch) is raised."""
+        if isinstance(reply, Exception):
+            raise reply
         count = 0
         while True:
             released = [Parked.decode(item) for item in reply]

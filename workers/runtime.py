@@ -34,7 +34,7 @@ from twinkle.queue_timeouts import queue_timeout_error
 from twinkle.queued_ops import QueuedOps
 from twinkle.records import ModelRecord
 from twinkle.run_metrics import RunMetrics
-from twinkle.script_batch import ScriptCall, run_together
+from twinkle.script_batch import ScriptCall
 from twinkle.telemetry import annotate_op_span, record_usage, task_finished, task_started
 from twinkle.usage import SAVE_OPS, UsageLedger, amounts_for, recorded
 from workers.clock import Clock, FusedRunner, Job
@@ -219,18 +219,14 @@ class PoolRuntime:
 
     def _meter_failed(self, rec: FutureRecord, timing: _Timing) -> None:
         """A failed op that ran is charged the pool time it held, nothing else."""
-        if not timing.began:
+        if not timing.began or self.ledger is None:
             return
         amounts = {"pool_ms": round(timing.seconds * 1000)}
-        usage = self._usage_call(rec, amounts)
-        if usage is None:
-            return
         try:
-            replies = run_together(self.r, [usage])
+            if self.ledger.record(rec, self.usage_model, amounts):
+                record_usage(rec, self.usage_model, amounts)
         except redis.RedisError:
             log.warning("usage of %s %s not recorded: the broker is unreachable", rec.op, rec.request_id)
-            return
-        self._recorded(rec, replies, usage, amounts)
 
     def _checkpoint_bytes(self, op: str, result: Any) -> int:
         if op not in SAVE_OPS or not isinstance(result, dict) or not result.get("path"):
@@ -400,7 +396,7 @@ class PoolRuntime:
             refused, [released, *replies] = self.futures.run_with(
                 call, [backlog.release_call(rec.owner, rec.request_id), *along])
             if refused is not Refused.FENCED_OFF:
-                self._dispatch_released(rec, backlog, released)
+                self._sending_released(rec, lambda: backlog.dispatch(rec.owner, released, self.send_released))
             elif not isinstance(released, Exception):
                 backlog.put_back(rec.owner, released)  # for the worker that holds the queue now to send
         return self._written(rec, refused), replies
@@ -412,14 +408,6 @@ class PoolRuntime:
         if refused is Refused.GONE:
             log.warning("future %s vanished from the broker (restarted?); its outcome is dropped", rec.request_id)
         return refused is None
-
-    def _dispatch_released(self, rec: FutureRecord, backlog: BacklogRelease, released: Any) -> None:
-        try:
-            if isinstance(released, Exception):
-                raise released
-            backlog.dispatch(rec.owner, released, self.send_released)
-        except Exception:  # the broker is away; the heartbeat's sweep sends them once it is back
-            log.warning("backlog of %s not released (the heartbeat retries)", rec.owner, exc_info=True)
 
     # -- the pool lease (twinkle.pool_lease) ----------------------------------------------------
 
@@ -439,10 +427,14 @@ class PoolRuntime:
 
     def _release_backlog(self, rec: FutureRecord) -> None:
         """The op's key has one op fewer in the queue: send its next parked ones."""
-        if self.backlog is None:
-            return
+        backlog = self.backlog
+        if backlog is not None:
+            self._sending_released(rec, lambda: backlog.finished(rec.owner, rec.request_id, self.send_released))
+
+    def _sending_released(self, rec: FutureRecord, release: Callable[[], object]) -> None:
+        """Run `release`, which sends the key's released ops; a failure waits for the heartbeat's sweep."""
         try:
-            self.backlog.finished(rec.owner, rec.request_id, self.send_released)
+            release()
         except Exception:  # the broker is away; the heartbeat's sweep sends them once it is back
             log.warning("backlog of %s not released (the heartbeat retries)", rec.owner, exc_info=True)
 
