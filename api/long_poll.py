@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +109,7 @@ class LongPolls:
         if first["type"] != "http.request" or first.get("more_body", False):
             # The client went away, or the body streams (api.body_limit hands JSON bodies over whole): the route
             # reads it as it comes.
-            await self.app(scope, _replay(first, receive), send)
+            await self.app(scope, replay([first], receive), send)
             return
         poll = self._poll_of(scope, first.get("body", b""))
         if poll is not None:
@@ -123,7 +123,7 @@ class LongPolls:
             if record is not None and self.answer_ended and await self._answer_ended(scope, send, record, tenant):
                 return
             scope.setdefault("state", {})[STATE_KEY] = ParkedPoll(request_id, tenant, record, deadline)
-        await self.app(scope, _replay(first, receive), send)
+        await self.app(scope, replay([first], receive), send)
 
     def _poll_of(self, scope: Scope, body: bytes) -> tuple[str, str] | None:
         """(request id, tenant) of a poll the route would accept as it stands, else None."""
@@ -173,9 +173,10 @@ def _header(scope: Scope, name: bytes) -> str:
     return ""
 
 
-def _replay(first: Message, receive: Receive) -> Receive:
-    """`receive` with `first`, already received, handed out again first."""
-    pending: list[Message] = [first]
+def replay(messages: Sequence[Message], receive: Receive) -> Receive:
+    """`receive` with `messages`, already received, handed out again first (a middleware that read the body
+    passes the request on)."""
+    pending = list(reversed(messages))
 
     async def replayed() -> Message:
         return pending.pop() if pending else await receive()

@@ -18,7 +18,7 @@ request goes through the framework, whose instrumentation traces each route.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Coroutine
 from typing import Any
 
 from pydantic import ValidationError
@@ -28,19 +28,12 @@ from api import tinker_submits
 from api.context import ApiContext
 from api.errors import ErrorAnswers
 from api.finite_json import finite_json_bytes
+from api.long_poll import App, Message, Receive, Scope, Send, replay
 from api.responses.tinker import future_handle
 from api.schemas import OptimStepBody
 from twinkle.auth import key_from_headers
 from twinkle.errors import TwinkleError
 from twinkle.records import ModelRecord
-from twinkle.tenancy import TenantPolicy
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
-Submit = Callable[[], Awaitable[tuple[ModelRecord, str]]]
 
 ROUTES = ("forward_backward", "forward", "optim_step")
 JSON = b"application/json"
@@ -65,18 +58,18 @@ class Submits:
             message = await receive()
             received.append(message)
             if message["type"] != "http.request":  # the client went away: the app sees it as it would have
-                await self.app(scope, _replay(received, receive), send)
+                await self.app(scope, replay(received, receive), send)
                 return
             if not message.get("more_body", False):
                 break
         body = b"".join(message.get("body", b"") for message in received)
         submit = self._submit_of(scope, route, body)
         if submit is None:
-            await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive),
+            await self.app(scope, replay([{"type": "http.request", "body": body, "more_body": False}], receive),
                            send)
             return
         try:
-            record, request_id = await submit()
+            record, request_id = await submit
         except Exception as exc:  # noqa: BLE001 - answered as the app answers a route that raised it
             answer = await self.errors.answer(Request(scope), exc)
             await answer(scope, receive, send)
@@ -86,8 +79,10 @@ class Submits:
                     "headers": [(b"content-length", str(len(content)).encode()), (b"content-type", JSON)]})
         await send({"type": "http.response.body", "body": content})
 
-    def _submit_of(self, scope: Scope, route: str, body: bytes) -> Submit | None:
-        """The submit the route would make of this request, or None where the route would answer otherwise."""
+    def _submit_of(self, scope: Scope, route: str, body: bytes
+                   ) -> Coroutine[Any, Any, tuple[ModelRecord, str]] | None:
+        """The submit the route would make of this request, not begun yet, or None where the route would answer
+        otherwise."""
         headers = _first_headers(scope)
         if len(body) > self.ctx.max_request_bytes:
             return None
@@ -107,16 +102,10 @@ class Submits:
                 return None
         state = scope.setdefault("state", {})
         state["tenant"], state["policy"] = tenant, policy  # as the route's auth dependency sets them
-        return self._call(route, tenant, policy, body, headers, parsed)
-
-    def _call(self, route: str, tenant: str, policy: TenantPolicy, body: bytes, headers: dict[bytes, str],
-              parsed: OptimStepBody | None) -> Submit:
-        ctx = self.ctx
         if parsed is not None:
-            return lambda: tinker_submits.optim_step(ctx, tenant, policy, parsed)
-        return lambda: tinker_submits.forward_backward(
-            ctx, tenant, policy, body, headers.get(b"content-type") or "", headers.get(b"content-encoding"),
-            forward_only=route == "forward")
+            return tinker_submits.optim_step(self.ctx, tenant, policy, parsed)
+        return tinker_submits.forward_backward(self.ctx, tenant, policy, body, headers.get(b"content-type") or "",
+                                               headers.get(b"content-encoding"), forward_only=route == "forward")
 
 
 def _first_headers(scope: Scope) -> dict[bytes, str]:
@@ -127,13 +116,3 @@ def _first_headers(scope: Scope) -> dict[bytes, str]:
         if name in wanted and name not in found:
             found[name] = value.decode("latin-1")
     return found
-
-
-def _replay(messages: list[Message], receive: Receive) -> Receive:
-    """`receive` with `messages`, already received, handed out again first."""
-    pending = list(reversed(messages))
-
-    async def replayed() -> Message:
-        return pending.pop() if pending else await receive()
-
-    return replayed
