@@ -189,14 +189,10 @@ class NextTokenRows:
         """The model's rows after `prev` [N, V], one token drawn from each, and its logprob under the model."""
         entries = [self._entry(base, lora, int(token), params) for token in prev.tolist()]
         model_lp = entries[0][0][None] if len(entries) == 1 else np.stack([row for row, _ in entries])
-        picks = np.arange(len(entries))
-        if params.temperature == 0:
-            chosen = model_lp.argmax(axis=1)
-        else:
+        cdf = None
+        if params.temperature != 0:
             cdf = entries[0][1][None] if len(entries) == 1 else np.stack([cumulative for _, cumulative in entries])
-            threshold = rng.random(len(entries)) * cdf[:, -1]
-            chosen = (cdf <= threshold[:, None]).sum(axis=1)
-        return model_lp, chosen, model_lp[picks, chosen].astype(np.float64)
+        return model_lp, *_pick(model_lp, cdf, rng)
 
     def _entry(
         self, base: BigramBase, lora: LoraWeights | None, token: int, params: SamplingParams
@@ -207,8 +203,7 @@ class NextTokenRows:
             self._rows.move_to_end(key)
             return entry
         model_lp = next_token_logprobs(base, lora, np.array([token], np.int64))
-        cumulative = (np.cumsum(np.exp(_sampling_distribution(model_lp, params)), axis=1)[0]
-                      if params.temperature != 0 else np.empty(0))
+        cumulative = _cumulative(model_lp, params)[0] if params.temperature != 0 else np.empty(0)
         entry = self._rows[key] = (model_lp[0], cumulative)
         while len(self._rows) > self._limit:
             self._rows.popitem(last=False)
@@ -332,16 +327,24 @@ def _draw(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One token per row of `model_lp` [rows, V], drawn from the sampling distribution (temperature, top_k,
     top_p), and its logprob under the model's own distribution."""
+    return _pick(model_lp, None if params.temperature == 0 else _cumulative(model_lp, params), rng)
+
+
+def _cumulative(model_lp: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The cumulative mass of the sampling distribution over each row of `model_lp` [rows, V]."""
+    cdf: np.ndarray = np.cumsum(np.exp(_sampling_distribution(model_lp, params)), axis=1)
+    return cdf
+
+
+def _pick(model_lp: np.ndarray, cdf: np.ndarray | None, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """One token per row drawn by its cumulative mass `cdf` (None: greedy), and its logprob under the model."""
     rows = np.arange(len(model_lp))
-    if params.temperature == 0:
+    if cdf is None:
         chosen = model_lp.argmax(axis=1)
-        return chosen, model_lp[rows, chosen].astype(np.float64)
-    sampling_lp = _sampling_distribution(model_lp, params)
-    probs = np.exp(sampling_lp)
-    cdf = np.cumsum(probs, axis=1)
-    threshold = rng.random(len(rows)) * cdf[:, -1]
-    # The first id whose cumulative mass exceeds the threshold: never one with zero probability.
-    chosen = (cdf <= threshold[:, None]).sum(axis=1)
+    else:
+        threshold = rng.random(len(rows)) * cdf[:, -1]
+        # The first id whose cumulative mass exceeds the threshold: never one with zero probability.
+        chosen = (cdf <= threshold[:, None]).sum(axis=1)
     return chosen, model_lp[rows, chosen].astype(np.float64)
 
 
