@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ import httpx
 import psutil
 import redis
 import redis.asyncio as aioredis
+import uvicorn
 import yaml
 
 from twinkle.keys import Keys
@@ -61,6 +63,50 @@ async def scratch_keys(db: int = 2) -> AsyncIterator[tuple[aioredis.Redis, Keys]
         finally:
             async for key in r.scan_iter(f"{keys.root}*"):
                 await r.delete(key)
+
+
+@dataclass
+class ApiInProcess:
+    """The API app served by uvicorn in the test's own event loop, on its own key prefix in Redis database 2."""
+
+    http: httpx.AsyncClient  # its /api/v1, sending the test's API key
+    app: Any
+    redis: redis.Redis
+    keys: Keys
+
+
+@asynccontextmanager
+async def api_in_process(api_key: str, *, long_poll_seconds: float,
+                         pool_args: dict[str, Any] | None = None) -> AsyncIterator[ApiInProcess]:
+    """An API with one mock model pool configured (no worker runs it: submitted ops stay queued); `pool_args` go
+    to that pool's args. Its keys are deleted afterwards."""
+    from api.app import create_app  # the API's imports, only for the tests that serve it
+    from twinkle.config import parse_config
+
+    require_redis()
+    prefix = f"test-api-{uuid.uuid4().hex[:8]}:"
+    config = parse_config({"persistence": {"key_prefix": prefix}, "applications": [
+        {"name": "m", "route_prefix": "/api/v1/model/x", "import_path": "model",
+         "args": {"backend": "mock", "model_id": "/nonexistent/x", **(pool_args or {})}}]})
+    app = create_app(config, f"redis://{REDIS_HOST}:{REDIS_PORT}/2", long_poll_seconds=long_poll_seconds)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not serving.done(), "the server did not start"
+        await asyncio.sleep(0.01)
+    r = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=2)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/api/v1", headers={"X-API-Key": api_key},
+                                     timeout=30) as http:
+            yield ApiInProcess(http, app, r, Keys(prefix))
+    finally:
+        server.should_exit = True
+        await serving
+        for key in r.scan_iter(match=f"{prefix}*"):
+            r.delete(key)
+        r.close()
 
 
 def stop_process_group(proc: subprocess.Popen[bytes]) -> None:

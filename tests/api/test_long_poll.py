@@ -8,7 +8,6 @@ import asyncio
 import gc
 import inspect
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,17 +16,14 @@ import httpx
 import numpy as np
 import pytest
 import redis
-import uvicorn
 from fastapi.encoders import jsonable_encoder
 
 from api import long_poll
-from api.app import create_app
 from api.finite_json import FiniteJSONResponse
 from api.future_answer import result_answer
-from tests.harness import REDIS_HOST, REDIS_PORT, free_port, require_redis
+from tests.harness import api_in_process
 from twinkle import blobs
 from twinkle.auth import tenant_id
-from twinkle.config import parse_config
 from twinkle.futures import FutureRecord, new_request_id
 from twinkle.keys import Keys
 from twinkle.types import ForwardBackwardOutput, SampledSequence, SampleOutput
@@ -69,29 +65,8 @@ class Served:
 
 @pytest.fixture
 async def served() -> AsyncIterator[Served]:
-    require_redis()
-    prefix = f"test-long-poll-{uuid.uuid4().hex[:8]}:"
-    config = parse_config({"persistence": {"key_prefix": prefix}, "applications": [
-        {"name": "m", "route_prefix": "/api/v1/model/x", "import_path": "model",
-         "args": {"backend": "mock", "model_id": "/nonexistent/x"}}]})
-    app = create_app(config, f"redis://{REDIS_HOST}:{REDIS_PORT}/2", long_poll_seconds=LONG_POLL_SECONDS)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=1))
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not serving.done(), "the server did not start"
-        await asyncio.sleep(0.01)
-    r = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=2)
-    keys = Keys(prefix)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/api/v1", headers={"X-API-Key": KEY},
-                                 timeout=30) as http:
-        yield Served(http, app, r, keys)
-    server.should_exit = True
-    await serving
-    for key in r.scan_iter(match=f"{prefix}*"):
-        r.delete(key)
-    r.close()
+    async with api_in_process(KEY, long_poll_seconds=LONG_POLL_SECONDS) as api:
+        yield Served(api.http, api.app, api.redis, api.keys)
 
 
 def route_frames() -> int:

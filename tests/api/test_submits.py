@@ -14,14 +14,11 @@ from typing import Any
 import httpx
 import pytest
 import redis
-import uvicorn
 
 from api import submits
-from api.app import create_app
 from tests.api.test_tinker_codec import ce_datum, sdk_forward_backward_body
-from tests.harness import REDIS_HOST, REDIS_PORT, free_port, require_redis
+from tests.harness import api_in_process
 from twinkle.auth import tenant_id
-from twinkle.config import parse_config
 from twinkle.futures import FutureRecord
 from twinkle.keys import Keys
 from twinkle.records import ModelRecord
@@ -52,31 +49,11 @@ class Served:
 @pytest.fixture
 async def served(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Served]:
     """The API on its own (no pool worker: submitted ops stay queued); `request.param`: the pool's extra args."""
-    require_redis()
-    prefix = f"test-submits-{uuid.uuid4().hex[:8]}:"
-    config = parse_config({"persistence": {"key_prefix": prefix}, "applications": [
-        {"name": "m", "route_prefix": "/api/v1/model/x", "import_path": "model",
-         "args": {"backend": "mock", "model_id": "/nonexistent/x", **getattr(request, "param", {})}}]})
-    app = create_app(config, f"redis://{REDIS_HOST}:{REDIS_PORT}/2", long_poll_seconds=1)
     answered_here: list[bytes] = []
     render = submits.finite_json_bytes
     monkeypatch.setattr(submits, "finite_json_bytes", lambda body: answered_here.append(b := render(body)) or b)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=1))
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not serving.done(), "the server did not start"
-        await asyncio.sleep(0.01)
-    r = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=2)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/api/v1", headers={"X-API-Key": KEY},
-                                 timeout=30) as http:
-        yield Served(http, app, r, Keys(prefix), answered_here)
-    server.should_exit = True
-    await serving
-    for key in r.scan_iter(match=f"{prefix}*"):
-        r.delete(key)
-    r.close()
+    async with api_in_process(KEY, long_poll_seconds=1, pool_args=getattr(request, "param", {})) as api:
+        yield Served(api.http, api.app, api.redis, api.keys, answered_here)
 
 
 def fb_body(model_id: str, loss_fn: str = "cross_entropy") -> dict[str, Any]:
