@@ -21,6 +21,7 @@ import redis
 
 from twinkle import merged_export
 from twinkle.checkpoints import CheckpointRef, CheckpointStore, parse_checkpoint_path
+from twinkle.config.export import ExportConfig
 from twinkle.errors import ExportVerificationFailed, InvalidRequest, LimitExceeded, NotFound
 from twinkle.full_checkpoint import is_full_checkpoint
 from twinkle.futures import FutureRecord
@@ -37,7 +38,7 @@ class ExportSettings:
 
     backend: str  # the pool's backend name (transformers, megatron, mock)
     model_id: str  # where the base model's files are (a local directory, hf://, ms://)
-    config: Any  # twinkle.config.export.ExportConfig
+    config: ExportConfig
     pool_dtype: str  # the dtype the pool computes in (float32, bfloat16, ...)
 
 

@@ -21,7 +21,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from twinkle import launched_process, liveness
-from twinkle.backends.base import ComputeDtype
+from twinkle.backends.base import ComputeDtype, SharedBase
 from twinkle.backlog import BacklogRelease
 from twinkle.catalog import model_queue, processor_queue, sampler_queue
 from twinkle.celery_app import make_celery, task_name
@@ -157,7 +157,7 @@ def _reserve_for_full_runs(runtime: PoolRuntime, handlers: ModelPoolHandlers, fu
 def _announce_lora_modules(runtime: PoolRuntime, key: str, holder: Any) -> None:
     """The linear layers of a transformers model held here, which imported adapters are checked against
     (twinkle.adapter_import); torch is imported only for a pool that holds one."""
-    if getattr(holder, "shared", None) is None:
+    if not isinstance(holder, SharedBase) or holder.shared is None:
         return
     from twinkle.backends.hf.lora_modules import published_shapes
 
@@ -264,7 +264,7 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     setup_worker_telemetry(config, app_name, celery)
     threading.Thread(target=_heartbeat, args=(r, keys, runtime.queue, runtime), daemon=True).start()
     if os.environ.get(liveness.ENV):
-        limits = getattr(app.args, "queue_config", None)
+        limits = app.args.queue_config if isinstance(app, (ModelApp, SamplerApp, ProcessorApp)) else None
         threading.Thread(target=_liveness, args=(os.environ[liveness.ENV], runtime,
                                                  float(limits.execution_timeout) if limits else 0.0),
                          name="liveness", daemon=True).start()

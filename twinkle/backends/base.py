@@ -121,6 +121,15 @@ class PagedAdapters(Protocol):
 
 
 @runtime_checkable
+class SharedBase(Protocol):
+    """Holds its base model in this process, shared by its adapters (transformers backends and the torch sampler),
+    whose linear layers imported adapters are checked against (twinkle.adapter_import)."""
+
+    @property
+    def shared(self) -> Any: ...
+
+
+@runtime_checkable
 class ContinuousSampling(Protocol):
     """Serves one continuous generation that takes new requests between decode steps (workers.batcher)."""
 

@@ -23,7 +23,7 @@ import numpy as np
 import redis
 
 from twinkle.catalog import Catalog, processor_queue
-from twinkle.config.apps import Application, ProcessorApp
+from twinkle.config.apps import Application, ModelApp, ProcessorApp, SamplerApp
 from twinkle.keys import Keys
 from twinkle.telemetry import naming
 from twinkle.telemetry.celery_tracing import instrument_celery
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from twinkle.config.server_config import ServerConfig
+    from twinkle.futures import FutureRecord
 
 log = logging.getLogger("twinkle.telemetry")
 _NO_SPAN = contextlib.nullcontext()
@@ -79,7 +80,8 @@ def _start(config: ServerConfig, app: Application, celery_app: Celery, *, lead: 
     instrument_celery(pipeline)
     catalog = Catalog(config)
     served = catalog.by_app(app.name)
-    deployment = {"model": naming.MODEL, "sampler": naming.SAMPLER}.get(app.import_path, naming.PROCESSOR)
+    deployment = naming.MODEL if isinstance(app, ModelApp) else naming.SAMPLER if isinstance(app, SamplerApp) \
+        else naming.PROCESSOR
     state = WorkerTelemetry(instruments(pipeline), pipeline.tracer(), deployment, served.name if served else "")
     if lead:
         r = redis.Redis.from_url(str(celery_app.conf.broker_url))
@@ -116,7 +118,7 @@ def op_span(op: str, request_id: str, model_id: str = "") -> Any:
     return state.tracer.start_as_current_span(naming.span_name(state.deployment), attributes=attributes)
 
 
-def task_started(rec: Any) -> None:
+def task_started(rec: FutureRecord) -> None:
     """The future `rec` just moved to running: record how long it waited in its queue."""
     state = _state
     if state is None:
@@ -127,7 +129,7 @@ def task_started(rec: Any) -> None:
         state.instruments.task_wait.record(max(0.0, time.time() - rec.created_at), _metric_attributes(state, rec))
 
 
-def annotate_op_span(rec: Any) -> None:
+def annotate_op_span(rec: FutureRecord) -> None:
     """Name the op's tenant and queue on its task's span. Called from the task's own thread: the op may begin
     in another one (a model pool's scheduler thread), where this span is not the current one."""
     if _state is None:
@@ -139,7 +141,7 @@ def annotate_op_span(rec: Any) -> None:
         span.set_attributes({naming.TENANT: rec.owner, naming.QUEUE: rec.queue})
 
 
-def task_finished(rec: Any, status: str, result: Any = None, error: Any = None) -> None:
+def task_finished(rec: FutureRecord, status: str, result: Any = None, error: Any = None) -> None:
     """The future `rec` reached `status` (completed / failed) with `result` or `error`."""
     state = _state
     if state is None:
@@ -162,7 +164,7 @@ def task_finished(rec: Any, status: str, result: Any = None, error: Any = None) 
             span.set_status(StatusCode.ERROR, str(getattr(error, "code", "")) or type(error).__name__)
 
 
-def record_usage(rec: Any, model: str, amounts: Mapping[str, int]) -> None:
+def record_usage(rec: FutureRecord, model: str, amounts: Mapping[str, int]) -> None:
     """Add what the op `rec` used to the `twinkle.usage.<metric>` counters, by tenant (the key's hash), base
     `model` and task type. Call it when `UsageLedger.record` returned True, so that a retried or redelivered
     op is counted once here too. A no-op unless this process exports telemetry."""
@@ -177,7 +179,7 @@ def record_usage(rec: Any, model: str, amounts: Mapping[str, int]) -> None:
             counter.add(int(amount), attributes)
 
 
-def _metric_attributes(state: WorkerTelemetry, rec: Any) -> dict[str, str]:
+def _metric_attributes(state: WorkerTelemetry, rec: FutureRecord) -> dict[str, str]:
     return {"deployment": state.deployment, "task_type": rec.op, "model": state.model}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -28,6 +28,9 @@ from twinkle.types import ModelInfo
 
 TRUST_REMOTE_CODE_ENV = "TWINKLE_TRUST_REMOTE_CODE"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass
@@ -155,7 +158,7 @@ def _plain_name(model_id: str) -> str:
     return model_id
 
 
-def _context_length(config: Any) -> int:
+def _context_length(config: PretrainedConfig) -> int:
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:

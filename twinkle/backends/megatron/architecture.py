@@ -9,11 +9,14 @@ silently different network would train the wrong model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinkle.errors import InvalidRequest
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class Architecture:
         ]
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> Architecture:
+    def from_hf_config(cls, config: PretrainedConfig) -> Architecture:
         """Read a transformers PretrainedConfig; raise InvalidRequest naming every unsupported feature."""
         model_type = str(getattr(config, "model_type", ""))
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -99,7 +102,7 @@ class Architecture:
         )
 
 
-def _unsupported_features(config: Any, model_type: str) -> list[str]:
+def _unsupported_features(config: PretrainedConfig, model_type: str) -> list[str]:
     problems = []
     if getattr(config, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {config.hidden_act!r} (only silu, as in SwiGLU)")
@@ -121,12 +124,12 @@ def _unsupported_features(config: Any, model_type: str) -> list[str]:
     return problems
 
 
-def _rope_parameters(config: Any) -> dict[str, Any]:
+def _rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
     """transformers 5 keeps rotary settings in `rope_parameters`; 4.x in `rope_theta` and `rope_scaling`."""
     parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return dict(parameters)
 
 
-def _rope_theta(config: Any) -> float:
+def _rope_theta(config: PretrainedConfig) -> float:
     theta = _rope_parameters(config).get("rope_theta", getattr(config, "rope_theta", None))
     return float(theta if theta is not None else 10000.0)
