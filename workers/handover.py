@@ -28,8 +28,20 @@ from kombu.utils.json import loads
 
 from twinkle.ledger import SyncLedger, messages
 
+# Delivery tags whose message the op's own finish acknowledged in Redis (twinkle.ledger.lifecycle.finish): the
+# consumer's ack that follows keeps only kombu's in-memory bookkeeping, saving a round trip per op.
+ACKED_BY_FINISH: set[str] = set()
+
 
 class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
+    def ack(self, delivery_tag: str) -> None:
+        try:
+            ACKED_BY_FINISH.remove(delivery_tag)
+        except KeyError:
+            super().ack(delivery_tag)
+        else:
+            virtual.QoS.ack(self, delivery_tag)
+
     def append(self, message: Any, delivery_tag: str) -> None:
         handing = self.channel.handing
         if handing is None:

@@ -226,8 +226,9 @@ def _liveness(path: str, runtime: PoolRuntime, execution_timeout: float) -> None
                 op=running.rec.op if running else "", started=started, execution_timeout=execution_timeout))
         except OSError:
             log.warning("cannot write the liveness file %s", path)
-        runtime.started_op.wait(liveness.INTERVAL_SECONDS)  # a new op is written at once, not up to 1 s late
-        runtime.started_op.clear()
+        # Once a second, not per op: the start time is exact either way, and the hang watch reads the records of
+        # the ops the worker holds for the moment the file is behind (twinkle/server/hang_watch.py).
+        time.sleep(liveness.INTERVAL_SECONDS)
 
 
 def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO") -> None:
@@ -311,12 +312,14 @@ def _exit_start_failed(queue: str, error: Exception) -> NoReturn:
 
 
 def _register(celery: Any, runtime: PoolRuntime, op: Op) -> None:
-    def task(request_id: str, model_id: str = "") -> None:
+    def task(self: Any, request_id: str, model_id: str = "") -> None:
         with op_span(op, request_id, model_id):
-            runtime.execute(op, request_id, model_id)
+            # kombu's delivery tag is a message property: Celery's delivery_info leaves it out
+            runtime.execute(op, request_id, model_id,
+                            delivery_tag=str((getattr(self.request, "properties", None) or {}).get("delivery_tag", "")))
 
     task.__name__ = op.value
-    celery.task(name=task_name(op), ignore_result=True)(task)
+    celery.task(name=task_name(op), ignore_result=True, bind=True)(task)
 
 
 def main(argv: list[str] | None = None) -> None:

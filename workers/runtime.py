@@ -38,6 +38,7 @@ from twinkle.script_batch import ScriptCall
 from twinkle.telemetry import annotate_op_span, record_usage, task_finished, task_started
 from twinkle.usage import SAVE_OPS, UsageLedger, amounts_for, recorded
 from workers.clock import Clock, FusedRunner, Job
+from workers.handover import ACKED_BY_FINISH
 from workers.lost_adapters import LostAdapterOps
 
 log = logging.getLogger("twinkle.worker")
@@ -71,7 +72,6 @@ class PoolRuntime:
         self.lock: Any = threading.Lock() if serialize else contextlib.nullcontext()
         self.futures = SyncLedger(r)  # their lifecycle (twinkle.ledger)
         self.current: RunningOp | None = None  # the op in its handler (model pools), for the hang watchdog
-        self.started_op = threading.Event()  # set when an op enters its handler: the liveness file says so at once
         self.clock: Clock | None = None  # set by `use_clock`: ops of many adapters run in fused cycles
         self.announcements: dict[str, str] = {}  # keys the heartbeat restores should the broker lose them
         self.metrics = RunMetrics(r, keys)  # per-run step metrics and recent failures, for the console
@@ -82,15 +82,16 @@ class PoolRuntime:
         self._lost_swept: dict[str, float] = {}  # lost adapters whose waiting ops were failed together, and when
         self.reservation: PoolReservation | None = None  # set by a model pool that allows full-parameter runs
 
-    def execute(self, op: str, request_id: str, model_id: str = "") -> None:
-        """Run one op; `model_id` is the one its message names (it saves a read), or "" when it names none."""
+    def execute(self, op: str, request_id: str, model_id: str = "", *, delivery_tag: str = "") -> None:
+        """Run one op; `model_id` is the one its message names (it saves a read), or "" when it names none;
+        `delivery_tag` names its broker message, which a completed op's finish acknowledges (workers/handover.py)."""
         try:
-            self._execute(op, request_id, model_id)
+            self._execute(op, request_id, model_id, delivery_tag)
         finally:
             if self.clock is not None:
                 self.clock.leave(request_id)
 
-    def _execute(self, op: str, request_id: str, model_id: str = "") -> None:
+    def _execute(self, op: str, request_id: str, model_id: str = "", delivery_tag: str = "") -> None:
         rec, payload, model_raw = self._read(request_id, model_id)
         if rec is None:
             log.warning("future %s is gone (expired?); dropping %s", request_id, op)
@@ -143,7 +144,8 @@ class PoolRuntime:
             self._meter_failed(rec, timing)
         else:
             self._complete(rec, result, amounts_for(op, args, result, seconds=timing.seconds,
-                                                    checkpoint_bytes=self._checkpoint_bytes(op, result)))
+                                                    checkpoint_bytes=self._checkpoint_bytes(op, result)),
+                           delivery_tag)
         finally:
             self.ops_done += 1
             log.debug("%s %s took %.1f ms", op, request_id, (time.perf_counter() - started) * 1000)
@@ -241,7 +243,6 @@ class PoolRuntime:
             yield
             return
         self.current = RunningOp(rec, time.monotonic())
-        self.started_op.set()
         try:
             yield
         finally:
@@ -356,15 +357,19 @@ class PoolRuntime:
     def _lost(self, model_id: str, model: ModelRecord | None) -> TwinkleError:
         return lost_state_error(model_id, (model.last_checkpoint if model else "") or None)
 
-    def _complete(self, rec: FutureRecord, result: Any, amounts: dict[str, int]) -> None:
-        """Write the outcome, release the key's backlog, append the run's metrics and count the usage: one round
-        trip. The metrics count only where the outcome was written (the script checks the record's finish time)."""
+    def _complete(self, rec: FutureRecord, result: Any, amounts: dict[str, int], delivery_tag: str = "") -> None:
+        """Write the outcome and acknowledge the op's message, release the key's backlog, append the run's metrics
+        and count the usage: one round trip. The metrics count only where the outcome was written (the script
+        checks the record's finish time)."""
         finished_at = str(time.time())
         metrics = self.metrics.call(rec, result, finished_at)
         usage = self._usage_call(rec, amounts)
         finished, replies = self._finish(rec, FutureStatus.COMPLETED, blobs.dumps(result), finished_at=finished_at,
-                                         along=[call for call in (metrics, usage) if call is not None])
+                                         along=[call for call in (metrics, usage) if call is not None],
+                                         delivery_tag=delivery_tag)
         if finished:
+            if delivery_tag:
+                ACKED_BY_FINISH.add(delivery_tag)
             task_finished(rec, FutureStatus.COMPLETED, result=result)
         self._recorded(rec, replies, usage, amounts)
 
@@ -377,7 +382,8 @@ class PoolRuntime:
             self.metrics.record_failure(rec, exc)
 
     def _finish(self, rec: FutureRecord, status: FutureStatus, result: bytes, *, finished_at: str = "",
-                along: Sequence[Call[Any] | ScriptCall] = (), **failure: str) -> tuple[bool, list[Any]]:
+                along: Sequence[Call[Any] | ScriptCall] = (), delivery_tag: str = "",
+                **failure: str) -> tuple[bool, list[Any]]:
         """Write the outcome and wake its long-polls in one script, only where the future still exists; in the
         same round trip, release the key's backlog and run the scripts `along`. Whether the outcome was written,
         and the replies of `along`.
@@ -387,7 +393,7 @@ class PoolRuntime:
         a write, because a client retrying a write across a broker restart must not recreate it either."""
         call = lifecycle.finish(self.keys, rec.request_id, status, result, ttl=self.future_ttl,
                                 fence_key=self._fence_key(), token=self._fence_token(), failure=failure,
-                                finished_at=finished_at)
+                                finished_at=finished_at, delivery_tag=delivery_tag)
         backlog = self.backlog
         if backlog is None:
             refused, replies = self.futures.run_with(call, along)

@@ -15,21 +15,27 @@ from celery.contrib.testing.worker import start_worker
 from tests.private_redis import PrivateRedis
 from twinkle.celery_app import make_celery
 from twinkle.ledger.messages import UNACKED, UNACKED_INDEX, handover_key, restore_unacked
+from workers.handover import ACKED_BY_FINISH
 
 QUEUE = "model.handover-test.0"
 
 
 
-def app_with_task(url: str, ran: list[str], gate: threading.Event | None = None) -> Celery:
+def app_with_task(url: str, ran: list[str], gate: threading.Event | None = None, *,
+                  acked_by_finish: bool = False) -> Celery:
+    """A pool-like app whose task notes its argument; with `acked_by_finish` it reports its message acknowledged,
+    as a finished op's script does (without removing the entry, so that a write by the consumer's ack shows)."""
     celery = make_celery(url, events=False)
     celery.conf.broker_transport = "workers.handover:HandoverTransport"
 
     celery.conf.note_task = f"twinkle.test_note_{id(ran)}"  # Celery keeps task names process-wide
 
-    @celery.task(name=celery.conf.note_task)
-    def note(name: str) -> None:
+    @celery.task(name=celery.conf.note_task, bind=True)
+    def note(self: Any, name: str) -> None:
         if gate is not None:
             gate.wait(10)
+        if acked_by_finish:
+            ACKED_BY_FINISH.add(self.request.properties["delivery_tag"])
         ran.append(name)
 
     return celery
@@ -79,6 +85,19 @@ def test_a_delivered_message_is_unacked_until_done_and_never_left_in_the_handove
         gate.set()
         wait_for(lambda: ran == ["held"] and r.hlen(UNACKED) == 0)
     assert r.zcard(UNACKED_INDEX) == 0
+
+
+def test_the_consumers_ack_of_a_message_its_finish_acknowledged_writes_nothing_and_frees_the_prefetch_slot(
+        broker: PrivateRedis) -> None:
+    r = redis.Redis.from_url(broker.url)
+    ran: list[str] = []
+    celery = app_with_task(broker.url, ran, acked_by_finish=True)
+    with consuming(celery):
+        for name in ("first", "second", "third"):
+            send(celery, name)
+        wait_for(lambda: len(ran) == 3 and not ACKED_BY_FINISH)  # each ack let the consumer take the next message
+    assert ran == ["first", "second", "third"]
+    assert r.hlen(UNACKED) == 3 and r.zcard(UNACKED_INDEX) == 3  # left as they were: no ack wrote to Redis
 
 
 def test_restoring_a_dead_workers_queue_puts_its_unacked_messages_ahead_of_its_handed_over_one(

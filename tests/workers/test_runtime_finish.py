@@ -1,10 +1,12 @@
-"""What a pool writes once an op ran goes in one round trip: the outcome, the key's backlog release, the run's
-metrics and the usage. Metrics count only an outcome this worker wrote; a worker fenced off its queue writes
-nothing and leaves what the release would have sent parked, for the queue's new holder."""
+"""What a pool writes once an op ran goes in one round trip: the outcome and the ack of its message, the key's
+backlog release, the run's metrics and the usage. Metrics count only an outcome this worker wrote; a worker fenced
+off its queue writes nothing, leaves its message to the consumer's own ack and what the release would have sent
+parked, for the queue's new holder."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,10 +17,12 @@ from redis.connection import Connection
 from twinkle.backlog import ADMIT, MIN_SHARE, BacklogKeys, BacklogRelease, Parked
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
+from twinkle.ledger.messages import UNACKED, UNACKED_INDEX
 from twinkle.pool_lease import PoolLease
 from twinkle.records import ModelRecord
 from twinkle.run_metrics import parse_entry
 from twinkle.usage import UsageLedger
+from workers.handover import ACKED_BY_FINISH
 from workers.runtime import PoolRuntime
 
 QUEUE = "model.pool.0"
@@ -58,6 +62,16 @@ class Pool:
         return [Parked.decode(raw).request_id
                 for raw in self.r.lrange(BacklogKeys(self.keys).parked(QUEUE, "t"), 0, -1)]
 
+    def delivered(self) -> str:
+        """A delivery tag with its unacked entry, as the pool's consumer records a message it took."""
+        tag = f"test-{uuid.uuid4().hex}"
+        self.r.hset(UNACKED, tag, f'[{{"body": "{tag}"}}, "", "{QUEUE}"]')
+        self.r.zadd(UNACKED_INDEX, {tag: time.time()})
+        return tag
+
+    def unacked(self, tag: str) -> bool:
+        return bool(self.r.hexists(UNACKED, tag)) or self.r.zscore(UNACKED_INDEX, tag) is not None
+
     def steps(self) -> list[int]:
         return [parse_entry(raw)["step"] for raw in self.r.lrange(self.keys.run_metrics(MODEL), 0, -1)]
 
@@ -67,9 +81,10 @@ def pool(redis_keys: tuple[redis.Redis, Keys]) -> Iterator[Pool]:
     yield Pool(*redis_keys)
 
 
-def test_the_outcome_release_metrics_and_usage_of_an_op_take_one_round_trip(
+def test_the_outcome_ack_release_metrics_and_usage_of_an_op_take_one_round_trip(
         pool: Pool, monkeypatch: pytest.MonkeyPatch) -> None:
     assert pool.submit("op0")
+    tag = pool.delivered()
     sends: list[int] = []
     original = Connection.send_packed_command
 
@@ -80,10 +95,12 @@ def test_the_outcome_release_metrics_and_usage_of_an_op_take_one_round_trip(
     after_handler: list[int] = []
     pool.during = lambda: after_handler.append(len(sends))
     monkeypatch.setattr(Connection, "send_packed_command", counted)
-    pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL)
+    pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL, delivery_tag=tag)
     monkeypatch.undo()
 
     assert len(sends) - after_handler[0] == 1
+    assert not pool.unacked(tag)  # acknowledged by the finish, and the consumer's own ack is told so
+    ACKED_BY_FINISH.remove(tag)
     assert FutureRecord.from_hash(pool.r.hgetall(pool.keys.future("op0"))).state is FutureStatus.COMPLETED
     assert pool.steps() == [1]
     assert UsageLedger(pool.r, pool.keys).totals("t", "day")  # the op's usage was counted
@@ -104,8 +121,23 @@ def test_a_worker_fenced_off_while_an_op_ran_leaves_the_release_parked_and_count
         PoolLease(pool.r, pool.keys, QUEUE, 30, on_lost=pool.lost.append).acquire()
 
     pool.during = take_over
-    pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL)
+    tag = pool.delivered()
+    pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL, delivery_tag=tag)
 
     assert FutureRecord.from_hash(pool.r.hgetall(pool.keys.future("op0"))).state is FutureStatus.RUNNING
+    assert pool.unacked(tag) and tag not in ACKED_BY_FINISH  # the message is the consumer's to ack
+    pool.r.hdel(UNACKED, tag)
+    pool.r.zrem(UNACKED_INDEX, tag)
     assert pool.sent == [] and pool.parked() == ["op2"]  # for the queue's new holder to send
     assert pool.steps() == [] and len(pool.lost) == 1
+
+
+def test_an_op_whose_record_vanished_leaves_its_message_to_the_consumers_own_ack(pool: Pool) -> None:
+    assert pool.submit("op0")
+    tag = pool.delivered()
+    pool.during = lambda: pool.r.delete(pool.keys.future("op0"))  # a broker restarted without persistence
+    pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL, delivery_tag=tag)
+
+    assert pool.unacked(tag) and tag not in ACKED_BY_FINISH
+    pool.r.hdel(UNACKED, tag)
+    pool.r.zrem(UNACKED_INDEX, tag)

@@ -8,6 +8,8 @@ Each is one call (twinkle.ledger.call): the faces run it, the answer is decoded 
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -20,6 +22,7 @@ from twinkle.futures import FutureRecord, FutureStatus
 from twinkle.keys import Keys
 from twinkle.ledger import scripts
 from twinkle.ledger.call import Arg, Call, commands, script, text
+from twinkle.ledger.messages import UNACKED, UNACKED_INDEX
 
 TERMINAL = (FutureStatus.COMPLETED.value.encode(), FutureStatus.FAILED.value.encode())
 
@@ -161,7 +164,17 @@ def begin(keys: Keys, record: FutureRecord, *, queue: str, fence_key: str = "", 
     `attempt` names this try (the same attempt sent again answers what the first one got)."""
     return script(scripts.BEGIN, [keys.future(record.request_id), keys.model(record.model_id) if record.model_id
                                   else "", keys.queue_started(queue), fence_key],
-                  [time.time(), record.ticket, token, attempt or uuid.uuid4().hex], _began)
+                  [time.time(), record.ticket, token, attempt or _next_attempt()], _began)
+
+
+# A try's name: random once per process, then counted, so no op pays uuid4's read of the OS's random source. The
+# pid keeps forked children (which inherit the prefix and the count) apart.
+_ATTEMPT_PREFIX = uuid.uuid4().hex[:16]
+_attempts = itertools.count()
+
+
+def _next_attempt() -> str:
+    return f"{_ATTEMPT_PREFIX}-{os.getpid()}-{next(_attempts)}"
 
 
 def _began(reply: Any) -> int | Refused:
@@ -170,15 +183,18 @@ def _began(reply: Any) -> int | Refused:
 
 
 def finish(keys: Keys, request_id: str, status: FutureStatus, result: bytes, *, ttl: int, fence_key: str = "",
-           token: str = "", failure: dict[str, str] | None = None, finished_at: str = "") -> Call[Refused | None]:
+           token: str = "", failure: dict[str, str] | None = None, finished_at: str = "",
+           delivery_tag: str = "") -> Call[Refused | None]:
     """Write the outcome (`result` b'' = none; `failure` its error, category and code), drop the payload and wake
     the long-polls, only where the record still exists. None when written, else why not. `finished_at` (default:
-    now) is what the record's field will read, so that a write sent along can tell this outcome was written."""
+    now) is what the record's field will read, so that a write sent along can tell this outcome was written. With
+    the `delivery_tag` of the op's message, a written outcome acknowledges the message too (twinkle.ledger.messages);
+    a refused one leaves it to the consumer's own ack."""
     fields = [str(x) for kv in {"status": status.value, "finished_at": finished_at or str(time.time()),
                                 **(failure or {})}.items() for x in kv]
     return script(scripts.FINISH, [keys.future(request_id), keys.blob_out(request_id), keys.blob_in(request_id),
-                                   fence_key],
-                  [ttl, result, keys.done_channel(request_id), status.value, token, *fields], _finished)
+                                   fence_key, UNACKED, UNACKED_INDEX],
+                  [ttl, result, keys.done_channel(request_id), status.value, token, delivery_tag, *fields], _finished)
 
 
 def append_run_metrics(keys: Keys, request_id: str, model_id: str, *, steps: bool, entry: str, max_entries: int,

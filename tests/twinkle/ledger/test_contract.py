@@ -419,6 +419,22 @@ def deliver(r: redis.Redis, rid: str, queue: str, *, age: float = 0.0) -> str:
     return tag
 
 
+async def test_a_written_finish_acknowledges_the_ops_message_and_a_refused_one_leaves_it(broker_face: Face) -> None:
+    face = broker_face
+    written, fenced, vanished = face.store(face.record()), face.store(face.record()), face.record()
+    tags = {rid: deliver(face.r, rid, face.queue) for rid in (written.request_id, fenced.request_id,
+                                                              vanished.request_id)}
+    fence = face.keys.pool_lease_fence(face.queue)
+    face.r.set(fence, "mine")
+    for record, token, refused in ((written, "mine", None), (fenced, "another", Refused.FENCED_OFF),
+                                   (vanished, "mine", Refused.GONE)):
+        assert await face.run(lifecycle.finish(face.keys, record.request_id, FutureStatus.COMPLETED, b"out", ttl=TTL,
+                                               fence_key=fence, token=token,
+                                               delivery_tag=tags[record.request_id])) is refused
+    still = {rid for rid, tag in tags.items() if face.r.hexists(UNACKED, tag) and face.r.zscore(UNACKED_INDEX, tag)}
+    assert still == {fenced.request_id, vanished.request_id}  # left to the consumer's own ack
+
+
 async def test_the_request_ids_of_each_queues_unacked_messages_are_decoded(broker_face: Face) -> None:
     now, elsewhere, future = new_request_id(), new_request_id(), "ffffffffffff-made-in-the-far-future"
     deliver(broker_face.r, now, "model.a.0")
