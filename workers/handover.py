@@ -27,10 +27,13 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from twinkle.ledger import SyncLedger, messages
+from workers.prereads import Prereads
 
 # Delivery tags whose message the op's own finish acknowledged in Redis (twinkle.ledger.lifecycle.finish): the
 # consumer's ack that follows keeps only kombu's in-memory bookkeeping, saving a round trip per op.
 ACKED_BY_FINISH: set[str] = set()
+# Set by a pool whose ops each get a thread at once: each delivery's read goes with its record (workers/prereads.py).
+PREREADS: Prereads | None = None
 
 
 class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
@@ -50,9 +53,16 @@ class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
         queue, item = handing
         delivery = message.delivery_info
         entry = messages.entry(message._raw, delivery["exchange"], delivery["routing_key"])
+        recorded = messages.record_delivery(self.unacked_index_key, self.unacked_key, queue, delivery_tag, entry, item)
+        prereads = PREREADS
         with self.channel.conn_or_acquire() as client:
-            self.channel.ledger(client).run(messages.record_delivery(
-                self.unacked_index_key, self.unacked_key, queue, delivery_tag, entry, item))
+            if prereads is None or (read := prereads.read_for(message)) is None:
+                self.channel.ledger(client).run(recorded)
+            else:
+                request_id, model_id, call = read
+                _, inputs = self.channel.ledger(client).run_then(recorded, call)
+                if not isinstance(inputs, Exception):  # else the op's thread reads for itself
+                    prereads.keep(request_id, model_id, inputs)
         virtual.QoS.append(self, message, delivery_tag)  # kombu's in-memory bookkeeping, without its own write
 
 

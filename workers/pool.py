@@ -39,12 +39,13 @@ from twinkle.task_message import task_message
 from twinkle.telemetry import op_span, setup_worker_telemetry
 from twinkle.types import ModelInfo
 from twinkle.usage import UsageLedger
-from workers import broker_link, processor
+from workers import broker_link, handover, processor
 from workers.exports import ExportSettings
 from workers.factory import build_model_pool, build_sampler
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
 from workers.lifecycle import AdapterReaper
 from workers.orphans import OrphanSweep
+from workers.prereads import Prereads
 from workers.runtime import PoolRuntime
 from workers.snapshots import AdapterSnapshots
 from workers.watchdog import Watchdog
@@ -275,6 +276,7 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
         pool = ["-P", "prefork", "-c", str(app.args.ncpu_proc_per_node)]
     elif isinstance(app, SamplerApp):
         pool = ["-P", "threads", "-c", str(sampler_threads(app))]  # stateless: batched, may reorder
+        _read_with_delivery(runtime, keys)
     else:
         # One thread runs ops in delivery order; reserving the next message while an op runs saves the fetch
         # after each ack (2.5 ms of a training step). Both stay unacked, so a crash restores them in order.
@@ -285,6 +287,7 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
             # With fair share it holds `scheduling.window` ops to choose from.
             clock = runtime.clock
             pool = ["-P", "threads", "-c", str(clock.hold), "--prefetch-multiplier", "1"]
+            _read_with_delivery(runtime, keys)
             task_received.connect(lambda request, **_: clock.arrived(
                 str(request.kwargs.get("request_id", "")), str(request.kwargs.get("model_id", ""))), weak=False)
     try:
@@ -296,6 +299,11 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
         ])
     finally:
         lease.release()  # a clean stop: the launcher's restart need not wait for the lease to expire
+
+
+def _read_with_delivery(runtime: PoolRuntime, keys: Keys) -> None:
+    """Every delivered message gets a thread at once here, so its read can go with its delivery record."""
+    runtime.prereads = handover.PREREADS = Prereads(keys)
 
 
 def _exit_start_failed(queue: str, error: Exception) -> NoReturn:

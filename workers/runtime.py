@@ -40,6 +40,7 @@ from twinkle.usage import SAVE_OPS, UsageLedger, amounts_for, recorded
 from workers.clock import Clock, FusedRunner, Job
 from workers.handover import ACKED_BY_FINISH
 from workers.lost_adapters import LostAdapterOps
+from workers.prereads import Prereads
 
 log = logging.getLogger("twinkle.worker")
 UNFUSED_HANDOVER_MS = 2.0  # without clock cycles: how long a pick waits for ops delivered but not yet read
@@ -72,6 +73,7 @@ class PoolRuntime:
         self.lock: Any = threading.Lock() if serialize else contextlib.nullcontext()
         self.futures = SyncLedger(r)  # their lifecycle (twinkle.ledger)
         self.current: RunningOp | None = None  # the op in its handler (model pools), for the hang watchdog
+        self.prereads: Prereads | None = None  # reads sent with each delivery's record (workers/prereads.py)
         self.clock: Clock | None = None  # set by `use_clock`: ops of many adapters run in fused cycles
         self.announcements: dict[str, str] = {}  # keys the heartbeat restores should the broker lose them
         self.metrics = RunMetrics(r, keys)  # per-run step metrics and recent failures, for the console
@@ -253,7 +255,8 @@ class PoolRuntime:
     def _read(self, request_id: str, model_id: str = "") -> tuple[FutureRecord | None, bytes | None, dict[Any, Any]]:
         """The future record, its payload and its model's record: one round trip when the message named the model
         the record names (every message the API and the backlogs send does), two otherwise."""
-        read = self.futures.run(lifecycle.read_for_run(self.keys, request_id, model_id))
+        kept = self.prereads.take(request_id, model_id) if self.prereads is not None else None
+        read = kept or self.futures.run(lifecycle.read_for_run(self.keys, request_id, model_id))
         recorded = read.record.model_id if read.record is not None else ""
         if recorded == model_id:
             return read.record, read.payload, read.model

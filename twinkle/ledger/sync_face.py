@@ -7,11 +7,13 @@ from typing import Any, TypeVar
 
 import redis
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from twinkle.ledger.call import Call
 from twinkle.script_batch import ScriptCall, run_together
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 class SyncLedger:
@@ -31,6 +33,21 @@ class SyncLedger:
             pipe.execute_command(*command)
         replies: list[Any] = pipe.execute()
         return call.decode(replies)
+
+    def run_then(self, call: Call[T], then: Call[U]) -> tuple[T, U | Exception]:
+        """The script `call`, then the commands of `then`, in one round trip (not atomic: `then` sees what the
+        script wrote). The script's answer, and `then`'s or the error it got; raises the script's error."""
+        script = self._registered(call.script)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.execute_command("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
+        then.stage(pipe)
+        first, *rest = pipe.execute(raise_on_error=False)
+        if isinstance(first, NoScriptError):  # a restarted broker forgot it: run on its own, which loads it
+            first = script(keys=call.keys, args=call.args)
+        elif isinstance(first, Exception):
+            raise first
+        failed = next((reply for reply in rest if isinstance(reply, Exception)), None)
+        return call.decode(first), failed if failed is not None else then.decode(rest)
 
     def run_with(self, call: Call[T], along: Sequence[Call[Any] | ScriptCall]) -> tuple[T, list[Any]]:
         """The script `call` and, after it in the same round trip, the scripts `along` (the ledger's own calls or

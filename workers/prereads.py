@@ -1,0 +1,58 @@
+"""What a pool reads for an op, read in the round trip that records the op's message as delivered.
+
+Before it runs an op a pool reads the future record, its payload and the model the message names
+(`twinkle.ledger.lifecycle.read_for_run`). The consumer thread already sends one command to Redis per message (it
+records the delivery, workers/handover.py), so it sends the read in the same pipeline and keeps the answer here for
+the op's thread, which takes it instead of a round trip of its own.
+
+Only pools that hand every delivered message to a thread of its own at once use this (a model pool with clock
+cycles, a sampler pool): there the thread would read a moment later anyway, so what it takes is as fresh as its
+own read would be. A pool that runs one op at a time with the next message reserved would take a read one op old.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from twinkle.keys import Keys
+from twinkle.ledger import lifecycle
+from twinkle.ledger.call import Call
+from twinkle.ledger.lifecycle import RunInputs
+
+# Far above a pool's window of held ops: reads that no thread took (a message Celery refused) age out here.
+LIMIT = 4096
+
+
+class Prereads:
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+        self._kept: OrderedDict[str, tuple[str, RunInputs]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read_for(self, message: Any) -> tuple[str, str, Call[RunInputs]] | None:
+        """The request id, the model id and the read for a Twinkle task's message; None for any other message.
+        kombu keeps the decoded body, so Celery does not decode it again."""
+        try:
+            _, kwargs, _ = message.decode()
+            request_id, model_id = str(kwargs["request_id"]), str(kwargs.get("model_id") or "")
+        except (ValueError, TypeError, KeyError):
+            return None
+        return request_id, model_id, lifecycle.read_for_run(self.keys, request_id, model_id)
+
+    def keep(self, request_id: str, model_id: str, inputs: RunInputs) -> None:
+        with self._lock:
+            self._kept[request_id] = (model_id, inputs)
+            self._kept.move_to_end(request_id)
+            while len(self._kept) > LIMIT:
+                self._kept.popitem(last=False)
+
+    def take(self, request_id: str, model_id: str) -> RunInputs | None:
+        """The read kept for this delivery of the op, once; None when there is none for the same model."""
+        with self._lock:
+            kept = self._kept.pop(request_id, None)
+        return kept[1] if kept is not None and kept[0] == model_id else None
+
+    def __len__(self) -> int:
+        return len(self._kept)
