@@ -40,16 +40,19 @@ class Waiter:
     (about 0.9 KB) where one waiting coroutine needs a flag and, while it waits, one future.
     """
 
-    __slots__ = ("_wakeup", "expired", "request_id", "woken")
+    __slots__ = ("_wakeup", "expired", "request_id", "result", "woken")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.woken = False  # since the last clear()
         self.expired = False
+        self.result: bytes | None = None  # the completed future's result, when its done message carried it
         self._wakeup: asyncio.Future[None] | None = None
 
-    def wake(self) -> None:
+    def wake(self, result: bytes | None = None) -> None:
         self.woken = True
+        if result is not None:
+            self.result = result
         if self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
 
@@ -60,6 +63,7 @@ class Waiter:
 
     def clear(self) -> None:
         self.woken = False
+        self.result = None
 
     async def wait(self) -> None:
         """Until woken; at once if it was since the last clear(). One coroutine waits at a time."""
@@ -118,9 +122,9 @@ class FutureHub:
         if not waiters:
             del self._waiters[waiter.request_id]
 
-    def _wake(self, request_id: str) -> None:
+    def _wake(self, request_id: str, result: bytes | None = None) -> None:
         for waiter in self._waiters.get(request_id, ()):
-            waiter.wake()
+            waiter.wake(result)
 
     # -- the subscription ----------------------------------------------------------------------
 
@@ -142,7 +146,9 @@ class FutureHub:
                     channel = message["channel"]
                     channel = channel.decode() if isinstance(channel, bytes) else channel
                     if channel.startswith(self._channel_prefix):
-                        self._wake(channel[len(self._channel_prefix):])
+                        data = message.get("data")
+                        self._wake(channel[len(self._channel_prefix):],
+                                   lifecycle.done_result(data) if isinstance(data, bytes) else None)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reconnect; the re-read after it wakes what was missed

@@ -23,6 +23,7 @@ waits no longer than the poll would have.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
@@ -64,6 +65,9 @@ async def await_future(ctx: ApiContext, request_id: str, tenant: str, timeout: f
             if record.state.terminal or waiter.expired:
                 return record
             await waiter.wait()
+            if waiter.result is not None:  # its done message carried the result: no read back
+                ctx.store.keep_result(request_id, waiter.result)
+                return dataclasses.replace(record, status=FutureStatus.COMPLETED.value)
     finally:
         if deadline is not None:
             deadline.cancel()

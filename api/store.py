@@ -153,7 +153,7 @@ class Store:
             if record.owner == owner:
                 if record.state.terminal:
                     if out is not None and record.state is FutureStatus.COMPLETED:
-                        self._keep_result(request_id, out)
+                        self.keep_result(request_id, out)
                     return record
                 await self._fresh_broker_identity()
                 return await self.lost.check(record, self.broker_run_id, broker_started_at=self.broker_started_at)
@@ -170,7 +170,8 @@ class Store:
                                 error="The server's queue restarted and lost this request. Submit it again.")
         raise NotFound(f"Future {request_id} not found.")
 
-    def _keep_result(self, request_id: str, data: bytes) -> None:
+    def keep_result(self, request_id: str, data: bytes) -> None:
+        """Keep a completed future's result for the `result` call that follows."""
         self._results_read[request_id] = data
         while len(self._results_read) > READ_AHEAD_RESULTS:  # records read by no one asking for their result
             del self._results_read[next(iter(self._results_read))]

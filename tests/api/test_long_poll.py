@@ -101,6 +101,18 @@ async def test_a_poll_of_a_future_that_stays_queued_answers_try_again_when_its_t
     assert served.parked == 0
 
 
+async def test_a_poll_woken_by_a_done_message_that_carries_the_result_answers_it_without_reading_back(
+        served: Served) -> None:
+    rid = served.queued_future()
+    polls = [asyncio.create_task(served.http.post("/retrieve_future", json={"request_id": rid})) for _ in range(2)]
+    await served.until_parked(2)
+    # The record still says queued and no result is stored: only the message can have given the answer.
+    served.redis.publish(served.keys.done_channel(rid), b"completed\n" + blobs.dumps({"path": "tinker://r/w/1"}))
+    answers = await asyncio.gather(*polls)
+    expected = {"path": "tinker://r/w/1", "type": "save_weights"}
+    assert [(r.status_code, r.json()) for r in answers] == [(200, expected)] * 2
+
+
 async def test_many_polls_of_one_future_all_wake(served: Served) -> None:
     rid = served.queued_future()
     polls = [asyncio.create_task(served.http.post("/retrieve_future", json={"request_id": rid})) for _ in range(20)]
@@ -160,10 +172,11 @@ RESULTS = {
 }
 
 
+@pytest.mark.parametrize("carried", [False, True], ids=["read-back", "result-in-done-message"])
 @pytest.mark.parametrize("accept", ["application/x-protobuf", "application/json"])
 @pytest.mark.parametrize("kind", sorted(RESULTS))
 async def test_a_parked_poll_of_a_future_that_completes_is_answered_byte_for_byte_as_the_route_answers_it(
-        served: Served, kind: str, accept: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        served: Served, kind: str, accept: str, carried: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     result, op = RESULTS[kind]
     answered_here: list[str] = []
     monkeypatch.setattr(long_poll, "result_answer", lambda record, *a, **kw: (
@@ -175,7 +188,8 @@ async def test_a_parked_poll_of_a_future_that_completes_is_answered_byte_for_byt
     await served.until_parked(1)
     served.redis.set(served.keys.blob_out(rid), blobs.dumps(result))
     served.redis.hset(served.keys.future(rid), "status", "completed")
-    served.redis.publish(served.keys.done_channel(rid), "completed")
+    served.redis.publish(served.keys.done_channel(rid), b"completed\n" + blobs.dumps(result) if carried
+                         else b"completed")
     by_middleware = await parked
     assert answered_here == [rid]  # by the middleware itself, not passed on to the route
     by_route = await served.http.post("/retrieve_future", content=f'{{"request_id": "{rid}"}}'.encode(),

@@ -192,9 +192,22 @@ def finish(keys: Keys, request_id: str, status: FutureStatus, result: bytes, *, 
     a refused one leaves it to the consumer's own ack."""
     fields = [str(x) for kv in {"status": status.value, "finished_at": finished_at or str(time.time()),
                                 **(failure or {})}.items() for x in kv]
+    inline = status is FutureStatus.COMPLETED and 0 < len(result) <= INLINE_RESULT_BYTES
     return script(scripts.FINISH, [keys.future(request_id), keys.blob_out(request_id), keys.blob_in(request_id),
                                    fence_key, UNACKED, UNACKED_INDEX],
-                  [ttl, result, keys.done_channel(request_id), status.value, token, delivery_tag, *fields], _finished)
+                  [ttl, result, keys.done_channel(request_id), status.value, token, delivery_tag, int(inline),
+                   *fields], _finished)
+
+
+# A completed op's result up to this size goes with the message that wakes its long-polls, so the API answers a
+# woken poll without reading it back. Every API process gets every done message: larger results are read.
+INLINE_RESULT_BYTES = 32 * 1024
+_WITH_RESULT = FutureStatus.COMPLETED.value.encode() + b"\n"
+
+
+def done_result(message: bytes) -> bytes | None:
+    """The result a future's done message carries (`finish` sends small ones along), or None: read it."""
+    return message[len(_WITH_RESULT):] if message.startswith(_WITH_RESULT) else None
 
 
 def append_run_metrics(keys: Keys, request_id: str, model_id: str, *, steps: bool, entry: str, max_entries: int,

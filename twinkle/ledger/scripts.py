@@ -96,15 +96,20 @@ return index
 """
 
 # KEYS: future, blob_out, blob_in, fence ('' = none), kombu's unacked hash and index. ARGV: ttl, result blob ('' =
-# none), done channel, status, lease token, delivery tag ('' = none), field/value pairs. Fenced off as BEGIN is: -2;
-# a vanished record: 0; written: 1, and then the op's message, named by its delivery tag, is acknowledged as
-# kombu's ack does it (its unacked entry removed), so the outcome and the ack are one write.
+# none), done channel, status, lease token, delivery tag ('' = none), '1' to send the result with the done message
+# (else the status alone), field/value pairs. Fenced off as BEGIN is: -2; a vanished record: 0; written: 1, and then
+# the op's message, named by its delivery tag, is acknowledged as kombu's ack does it (its unacked entry removed),
+# so the outcome and the ack are one write.
 FINISH = _writing_as_holder(token=5, vanished=0) + """
 if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[1]) end
-redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+redis.call('HSET', KEYS[1], unpack(ARGV, 8))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('DEL', KEYS[3])
-redis.call('PUBLISH', ARGV[3], ARGV[4])
+if ARGV[7] == '1' then
+  redis.call('PUBLISH', ARGV[3], ARGV[4] .. '\\n' .. ARGV[2])
+else
+  redis.call('PUBLISH', ARGV[3], ARGV[4])
+end
 if ARGV[6] ~= '' then
   redis.call('HDEL', KEYS[5], ARGV[6])
   redis.call('ZREM', KEYS[6], ARGV[6])

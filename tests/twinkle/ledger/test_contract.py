@@ -291,7 +291,31 @@ async def test_finish_writes_the_outcome_drops_the_payload_and_wakes_the_long_po
     assert broken is not None and (broken.status, broken.error, broken.category, broken.code) == (
         "failed", "it broke", "user", "bad_input")
     assert not face.r.exists(face.keys.blob_out(failed.request_id))
-    assert _published(pubsub) == [b"completed"]
+    assert _published(pubsub) == [b"completed\nout"]  # a small result goes with the message that wakes the polls
+
+
+async def test_a_done_message_carries_a_small_result_and_only_the_status_of_a_large_one_or_a_failure(
+        face: Face) -> None:
+    small, large, failed = (face.store(face.record()) for _ in range(3))
+    pubsub = face.r.pubsub()
+    pubsub.subscribe(*(face.keys.done_channel(r.request_id) for r in (small, large, failed)))
+    big = b"x" * (lifecycle.INLINE_RESULT_BYTES + 1)
+    for record, status, result in ((small, FutureStatus.COMPLETED, b"out"), (large, FutureStatus.COMPLETED, big),
+                                   (failed, FutureStatus.FAILED, b"")):
+        assert await face.run(lifecycle.finish(face.keys, record.request_id, status, result, ttl=TTL)) is None
+    messages = [_published_one(pubsub) for _ in range(3)]
+    pubsub.close()
+    assert messages == [b"completed\nout", b"completed", b"failed"]
+    assert [lifecycle.done_result(m) for m in messages] == [b"out", None, None]
+
+
+def _published_one(pubsub: Any) -> bytes:
+    deadline = time.time() + 2
+    while time.time() < deadline:
+        message = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+        if message:
+            return bytes(message["data"])
+    raise AssertionError("nothing published")
 
 
 def _published(pubsub: Any) -> list[bytes]:
