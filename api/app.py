@@ -80,7 +80,9 @@ def build_context(config: ServerConfig, broker_url: str, *, long_poll_seconds: f
     store.lost.queue_timeouts = timeouts_by_queue(config, catalog)  # a queued record read past it fails
     auth = KeyChecker(set(config.auth.api_keys), config.auth.keys_file, admin_hashes=set(config.auth.admin_keys),
                       tenancy=config.tenancy)
-    return ApiContext(config=config, store=store, hub=FutureHub(r, keys), catalog=catalog, keys=keys, auth=auth,
+    hub = FutureHub(r, keys)
+    store.submitted = hub.submitted.add  # a poll of a future submitted here may wait without reading it first
+    return ApiContext(config=config, store=store, hub=hub, catalog=catalog, keys=keys, auth=auth,
                       checkpoints=CheckpointStore(config.storage.checkpoint_dir),
                       limiter=RateLimiter.from_config(r, keys, config, catalog), quotas=QuotaGate(r, keys),
                       pools=PoolState(r, keys), stability=StabilityRecords(r, keys),

@@ -23,6 +23,7 @@ from collections import defaultdict
 
 import redis.asyncio as aioredis
 
+from api.submitted import SubmittedHere
 from twinkle.keys import Keys
 from twinkle.ledger import AsyncLedger, lifecycle
 
@@ -92,6 +93,7 @@ class FutureHub:
         self.subscribed = asyncio.Event()  # set while Redis has confirmed the pattern subscription
         self.reconnects = 0
         self._ledger = AsyncLedger(r)
+        self.submitted = SubmittedHere()  # what the done messages tell of this process's own submits
 
     @property
     def pending(self) -> int:
@@ -147,14 +149,17 @@ class FutureHub:
                     channel = channel.decode() if isinstance(channel, bytes) else channel
                     if channel.startswith(self._channel_prefix):
                         data = message.get("data")
-                        self._wake(channel[len(self._channel_prefix):],
-                                   lifecycle.done_result(data) if isinstance(data, bytes) else None)
+                        request_id = channel[len(self._channel_prefix):]
+                        result = lifecycle.done_result(data) if isinstance(data, bytes) else None
+                        self.submitted.ended(request_id, result)
+                        self._wake(request_id, result)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reconnect; the re-read after it wakes what was missed
                 if self.subscribed.is_set():
                     log.warning("future hub lost the broker (%s); reconnecting", exc)
                 self.subscribed.clear()
+                self.submitted.unsubscribed()
                 self.reconnects += 1
                 await asyncio.sleep(RECONNECT_SECONDS)
             finally:
@@ -170,6 +175,7 @@ class FutureHub:
                 if message is not None and message.get("type") == "psubscribe":
                     break
         self.subscribed.set()
+        self.submitted.subscribed()
         self._recheck_now.set()
 
     # -- batched re-reads ----------------------------------------------------------------------

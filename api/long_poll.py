@@ -58,20 +58,38 @@ async def await_future(ctx: ApiContext, request_id: str, tenant: str, timeout: f
     deadline = asyncio.get_running_loop().call_later(timeout, waiter.expire) if timeout > 0 else None
     if deadline is None:
         waiter.expire()
+    first = True
     try:
         while True:
             waiter.clear()  # before the read: a wake-up after it is kept for the wait below
-            record = await ctx.store.future(request_id, tenant)
-            if record.state.terminal or waiter.expired:
-                return record
+            # A future this process submitted, while the done messages tell all of it, is not read (api/submitted.py)
+            known = ctx.hub.submitted.known(request_id, tenant) if first and not waiter.expired else None
+            first = False
+            if known is not None and known.ended:
+                if known.result is not None:
+                    return _completed(ctx, known.record, known.result)
+                known = None  # it ended, and the message said only how: read it
+            if known is None:
+                record = await ctx.store.future(request_id, tenant)
+                if record.state.terminal or waiter.expired:
+                    ctx.hub.submitted.forget(request_id)
+                    return record
+            else:
+                record = known.record
             await waiter.wait()
             if waiter.result is not None:  # its done message carried the result: no read back
-                ctx.store.keep_result(request_id, waiter.result)
-                return dataclasses.replace(record, status=FutureStatus.COMPLETED.value)
+                return _completed(ctx, record, waiter.result)
     finally:
         if deadline is not None:
             deadline.cancel()
         ctx.hub.unregister(waiter)
+
+
+def _completed(ctx: ApiContext, record: FutureRecord, result: bytes) -> FutureRecord:
+    """The record of a future whose done message carried its result, which the `result` call then answers."""
+    ctx.hub.submitted.forget(record.request_id)
+    ctx.store.keep_result(record.request_id, result)
+    return dataclasses.replace(record, status=FutureStatus.COMPLETED.value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -74,6 +75,7 @@ class Store:
         self._admit_script = r.register_script(ADMIT)
         # pools a full-parameter run may hold (queue -> "wait" | "refuse"), twinkle.pool_reservation
         self.reserving_queues = reserving_queues or {}
+        self.submitted: Callable[[FutureRecord], None] | None = None  # told of each future submitted here
 
     async def refresh_broker_identity(self) -> None:
         info = await self.r.info("server")
@@ -118,6 +120,8 @@ class Store:
                 backlog=self.backlog.of(queue, owner), window=self.backlog_windows.get(queue, 0),
                 message=task_message(self.celery, op, request_id, model_id, queue), check_model=check_model))
             await self._refused_model(winner, model_id, owner)
+            if winner == request_id and self.submitted is not None:
+                self.submitted(record)
             return winner
         winner = await self.ledger.run(lifecycle.submit(self.keys, record, blobs.dumps(payload),
                                                         dedupe_key=dedupe_key, ttl=self.future_ttl,

@@ -203,3 +203,48 @@ async def test_a_parked_poll_of_a_future_that_completes_is_answered_byte_for_byt
             jsonable_encoder({**result, "type": {"save_state": "save_weights"}.get(op, op)})).body
     protobuf = accept == "application/x-protobuf" and kind in ("forward_backward", "sample")
     assert by_middleware.headers["content-type"] == ("application/x-protobuf" if protobuf else "application/json")
+
+
+async def test_a_poll_of_a_future_this_process_submitted_waits_without_reading_it_and_answers_the_carried_result(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = served.app.state.ctx
+    rid = await ctx.store.submit(op="save_state", owner=tenant_id(KEY), model_id="", queue="model.nobody.0",
+                                 payload={})
+    reads: list[str] = []
+    read = ctx.store.future
+
+    async def counted(request_id: str, owner: str) -> FutureRecord:
+        reads.append(request_id)
+        return await read(request_id, owner)
+
+    monkeypatch.setattr(ctx.store, "future", counted)
+    poll = asyncio.create_task(served.http.post("/retrieve_future", json={"request_id": rid}))
+    await served.until_parked(1)
+    served.redis.publish(served.keys.done_channel(rid), b"completed\n" + blobs.dumps({"path": "tinker://r/w/2"}))
+    answer = await poll
+    assert (answer.status_code, answer.json()) == (200, {"path": "tinker://r/w/2", "type": "save_weights"})
+    assert reads == []
+
+
+async def test_a_future_submitted_before_the_subscription_dropped_is_read_when_polled(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = served.app.state.ctx
+    rid = await ctx.store.submit(op="save_state", owner=tenant_id(KEY), model_id="", queue="model.nobody.0",
+                                 payload={})
+    ctx.hub.submitted.unsubscribed()  # what a lost connection does; its confirmed return starts a new epoch
+    ctx.hub.submitted.subscribed()
+    reads: list[str] = []
+    read = ctx.store.future
+
+    async def counted(request_id: str, owner: str) -> FutureRecord:
+        reads.append(request_id)
+        return await read(request_id, owner)
+
+    monkeypatch.setattr(ctx.store, "future", counted)
+    # It ended while nobody listened: its done message never arrived, and only a read finds the outcome.
+    served.redis.set(served.keys.blob_out(rid), blobs.dumps({"path": "tinker://r/w/3"}))
+    served.redis.hset(served.keys.future(rid), "status", "completed")
+    began = time.monotonic()
+    answer = await served.http.post("/retrieve_future", json={"request_id": rid})
+    assert (answer.status_code, answer.json()) == (200, {"path": "tinker://r/w/3", "type": "save_weights"})
+    assert reads == [rid] and time.monotonic() - began < LONG_POLL_SECONDS / 2  # read at once, never parked
