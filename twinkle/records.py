@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Self
 
@@ -31,38 +32,37 @@ class HashRecord:
 
     @classmethod
     def from_hash(cls, raw: dict[Any, Any]) -> Self:
-        decoded = {
-            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in raw.items()
-        }
-        hints = _type_hints(cls)  # type: ignore[arg-type]
+        parsers = _parsers(cls)  # type: ignore[arg-type]
         kwargs: dict[str, Any] = {}
-        for f in fields(cls):  # type: ignore[arg-type]
-            if f.name not in decoded:
-                continue
-            kwargs[f.name] = _parse(hints[f.name], decoded[f.name])
+        for key, value in raw.items():
+            name = key.decode() if isinstance(key, bytes) else key
+            parse = parsers.get(name)
+            if parse is not None:  # a field this record no longer has is ignored
+                kwargs[name] = parse(value.decode() if isinstance(value, bytes) else value)
         return cls(**kwargs)
 
 
 @functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    # Resolving the string annotations costs milliseconds; every request reads a record or two.
-    return typing.get_type_hints(cls)
+def _parsers(cls: type) -> dict[str, Callable[[str], Any]]:
+    """Each field's parser, from its type: resolved once per class (string annotations cost milliseconds to
+    resolve, and every request reads a record or two)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: _parser(hints[f.name]) for f in fields(cls)}
 
 
-def _parse(hint: Any, value: str) -> Any:
+def _parser(hint: Any) -> Callable[[str], Any]:
     if hint is bool:
-        return value not in ("", "0", "False", "false")
+        return lambda value: value not in ("", "0", "False", "false")
     if hint is int:
-        return int(float(value)) if value else 0
+        return lambda value: int(float(value)) if value else 0
     if hint is float:
-        return float(value) if value else 0.0
+        return lambda value: float(value) if value else 0.0
     origin = typing.get_origin(hint)
     if origin in (dict, list):
-        return json.loads(value) if value else origin()
+        return lambda value: json.loads(value) if value else origin()
     if hint == (str | None):
-        return value or None
-    return value
+        return lambda value: value or None
+    return str
 
 
 @dataclass

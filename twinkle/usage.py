@@ -22,6 +22,7 @@ keep 400 days; the total has no expiry. With AOF on the broker they survive rest
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -51,11 +52,20 @@ DETAIL_SEPARATOR = "|"
 
 
 def day_of(at: float) -> str:
-    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d")
+    return _day_name(int(at // DAY_SECONDS))
 
 
 def month_of(at: float) -> str:
-    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m")
+    return _day_name(int(at // DAY_SECONDS))[:7]
+
+
+DAY_SECONDS = 86400  # a UTC day (POSIX time counts no leap seconds)
+
+
+@functools.lru_cache(maxsize=8)
+def _day_name(day: int) -> str:
+    """`YYYY-MM-DD` of the `day`-th UTC day since the epoch: formatted once a day, not for every op."""
+    return datetime.fromtimestamp(day * DAY_SECONDS, UTC).strftime("%Y-%m-%d")
 
 
 def period_end(period: str, at: float) -> float:

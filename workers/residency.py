@@ -26,6 +26,7 @@ class SlotResidency:
         self.queue = queue
         self.backend = backend
         self.held = held  # every adapter the pool holds, resident or not
+        self.paged = isinstance(backend, PagedAdapters)  # asked once: a Protocol's isinstance costs ~10 us
         self._published: set[str] = set()
         self._stats: dict[str, float] = {}
         pipe = r.pipeline()
@@ -33,11 +34,11 @@ class SlotResidency:
         pipe.execute()
 
     def resident(self) -> set[str]:
-        return set(self.backend.resident_adapters()) if isinstance(self.backend, PagedAdapters) else set(self.held())
+        return set(self.backend.resident_adapters()) if self.paged else set(self.held())
 
     def publish(self) -> None:
         resident = self.resident()
-        stats: dict[Any, Any] = self.backend.paging_stats() if isinstance(self.backend, PagedAdapters) else {}
+        stats: dict[Any, Any] = self.backend.paging_stats() if self.paged else {}
         if resident == self._published and stats == self._stats:
             return
         key = self.keys.pool_adapters(self.queue)

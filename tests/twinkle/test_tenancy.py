@@ -95,3 +95,12 @@ def test_a_quota_refusal_names_the_quantity_used_limit_and_reset_and_says_what_t
     assert "1 active training runs" in runs.message and "allows 1 at once" in runs.message
     assert runs.details["quantity"] == "training_runs"
 
+
+
+def test_usage_periods_are_named_by_the_utc_day_and_month_and_turn_over_at_utc_midnight() -> None:
+    from twinkle.usage import day_of, month_of
+
+    midnight = datetime(2026, 3, 1, tzinfo=UTC).timestamp()
+    assert (day_of(midnight - 0.001), month_of(midnight - 0.001)) == ("2026-02-28", "2026-02")
+    assert (day_of(midnight), month_of(midnight)) == ("2026-03-01", "2026-03")
+    assert day_of(0) == "1970-01-01" and day_of(midnight + 86399.9) == "2026-03-01"
