@@ -18,7 +18,7 @@ from twinkle.tenancy import (
     quota_exceeded,
     training_runs_exceeded,
 )
-from twinkle.usage import METRICS
+from twinkle.usage import METRICS, day_of, month_of
 
 TENANCY = TenancyConfig(default_tier="free", tiers={
     "free": TierConfig(weight=0.5, max_training_runs=1,
@@ -98,8 +98,6 @@ def test_a_quota_refusal_names_the_quantity_used_limit_and_reset_and_says_what_t
 
 
 def test_usage_periods_are_named_by_the_utc_day_and_month_and_turn_over_at_utc_midnight() -> None:
-    from twinkle.usage import day_of, month_of
-
     midnight = datetime(2026, 3, 1, tzinfo=UTC).timestamp()
     assert (day_of(midnight - 0.001), month_of(midnight - 0.001)) == ("2026-02-28", "2026-02")
     assert (day_of(midnight), month_of(midnight)) == ("2026-03-01", "2026-03")
