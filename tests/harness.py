@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def redis_sends() -> Iterator[list[Any]]:
+    """Every packed command (or pipeline) any redis-py connection of this process sends while inside: one entry a
+    round trip."""
+    from redis.connection import Connection
+
+    sent: list[Any] = []
+    original = Connection.send_packed_command
+
+    def counted(self: Connection, command: Any, check_health: bool = True) -> None:
+        sent.append(command)
+        original(self, command, check_health)
+
+    Connection.send_packed_command = counted  # type: ignore[method-assign,assignment]
+    try:
+        yield sent
+    finally:
+        Connection.send_packed_command = original  # type: ignore[method-assign]
 
 
 def require_redis() -> None:

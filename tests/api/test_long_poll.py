@@ -205,11 +205,8 @@ async def test_a_parked_poll_of_a_future_that_completes_is_answered_byte_for_byt
     assert by_middleware.headers["content-type"] == ("application/x-protobuf" if protobuf else "application/json")
 
 
-async def test_a_poll_of_a_future_this_process_submitted_waits_without_reading_it_and_answers_the_carried_result(
-        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
-    ctx = served.app.state.ctx
-    rid = await ctx.store.submit(op="save_state", owner=tenant_id(KEY), model_id="", queue="model.nobody.0",
-                                 payload={})
+def record_reads(ctx: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The request ids whose record the API reads from now on."""
     reads: list[str] = []
     read = ctx.store.future
 
@@ -218,6 +215,15 @@ async def test_a_poll_of_a_future_this_process_submitted_waits_without_reading_i
         return await read(request_id, owner)
 
     monkeypatch.setattr(ctx.store, "future", counted)
+    return reads
+
+
+async def test_a_poll_of_a_future_this_process_submitted_waits_without_reading_it_and_answers_the_carried_result(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = served.app.state.ctx
+    rid = await ctx.store.submit(op="save_state", owner=tenant_id(KEY), model_id="", queue="model.nobody.0",
+                                 payload={})
+    reads = record_reads(ctx, monkeypatch)
     poll = asyncio.create_task(served.http.post("/retrieve_future", json={"request_id": rid}))
     await served.until_parked(1)
     served.redis.publish(served.keys.done_channel(rid), b"completed\n" + blobs.dumps({"path": "tinker://r/w/2"}))
@@ -233,14 +239,7 @@ async def test_a_future_submitted_before_the_subscription_dropped_is_read_when_p
                                  payload={})
     ctx.hub.submitted.unsubscribed()  # what a lost connection does; its confirmed return starts a new epoch
     ctx.hub.submitted.subscribed()
-    reads: list[str] = []
-    read = ctx.store.future
-
-    async def counted(request_id: str, owner: str) -> FutureRecord:
-        reads.append(request_id)
-        return await read(request_id, owner)
-
-    monkeypatch.setattr(ctx.store, "future", counted)
+    reads = record_reads(ctx, monkeypatch)
     # It ended while nobody listened: its done message never arrived, and only a read finds the outcome.
     served.redis.set(served.keys.blob_out(rid), blobs.dumps({"path": "tinker://r/w/3"}))
     served.redis.hset(served.keys.future(rid), "status", "completed")

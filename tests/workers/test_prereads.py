@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
-from redis.connection import Connection
 
+from tests.harness import redis_sends
 from tests.private_redis import PrivateRedis
 from twinkle import blobs
 from twinkle.celery_app import make_celery
@@ -106,8 +106,7 @@ def test_a_message_that_is_not_a_twinkle_op_gets_no_read() -> None:
     assert (request_id, model_id) == ("op-1", "")
 
 
-def test_a_runtime_with_a_kept_read_reads_nothing_before_it_begins(
-        broker: PrivateRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_runtime_with_a_kept_read_reads_nothing_before_it_begins(broker: PrivateRedis) -> None:
     r = redis.Redis.from_url(broker.url)
     stored_op(r, "op-1")
     ran: list[Any] = []
@@ -121,16 +120,8 @@ def test_a_runtime_with_a_kept_read_reads_nothing_before_it_begins(
     read = runtime.prereads.read_for(Message([[], {"request_id": "op-1", "model_id": MODEL}, {}]))
     assert read is not None
     runtime.prereads.keep("op-1", MODEL, runtime.futures.run(read[2]))
-    commands: list[Any] = []
-    original = Connection.send_packed_command
-
-    def counted(self: Connection, command: Any, check_health: bool = True) -> None:
-        commands.append(command)
-        original(self, command, check_health)
-
-    monkeypatch.setattr(Connection, "send_packed_command", counted)
-    runtime.execute(Op.OPTIM_STEP, "op-1", MODEL)
-    monkeypatch.undo()
+    with redis_sends() as commands:
+        runtime.execute(Op.OPTIM_STEP, "op-1", MODEL)
     assert ran == [{"lr": 0.1}]  # the handler got the kept payload
     assert b"HGETALL" not in b"".join(part for command in commands for part in (
         command if isinstance(command, list) else [command]))

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import redis
-from redis.connection import Connection
 
+from tests.harness import redis_sends
 from twinkle.backlog import ADMIT, MIN_SHARE, BacklogKeys, BacklogRelease, Parked
 from twinkle.futures import FutureRecord, FutureStatus, Op
 from twinkle.keys import Keys
@@ -81,22 +81,13 @@ def pool(redis_keys: tuple[redis.Redis, Keys]) -> Iterator[Pool]:
     yield Pool(*redis_keys)
 
 
-def test_the_outcome_ack_release_metrics_and_usage_of_an_op_take_one_round_trip(
-        pool: Pool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_outcome_ack_release_metrics_and_usage_of_an_op_take_one_round_trip(pool: Pool) -> None:
     assert pool.submit("op0")
     tag = pool.delivered()
-    sends: list[int] = []
-    original = Connection.send_packed_command
-
-    def counted(self: Connection, command: Any, check_health: bool = True) -> None:
-        sends.append(1)
-        original(self, command, check_health)
-
     after_handler: list[int] = []
-    pool.during = lambda: after_handler.append(len(sends))
-    monkeypatch.setattr(Connection, "send_packed_command", counted)
-    pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL, delivery_tag=tag)
-    monkeypatch.undo()
+    with redis_sends() as sends:
+        pool.during = lambda: after_handler.append(len(sends))
+        pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL, delivery_tag=tag)
 
     assert len(sends) - after_handler[0] == 1
     assert not pool.unacked(tag)  # acknowledged by the finish, and the consumer's own ack is told so
@@ -135,7 +126,10 @@ def test_a_worker_fenced_off_while_an_op_ran_leaves_the_release_parked_and_count
 def test_an_op_whose_record_vanished_leaves_its_message_to_the_consumers_own_ack(pool: Pool) -> None:
     assert pool.submit("op0")
     tag = pool.delivered()
-    pool.during = lambda: pool.r.delete(pool.keys.future("op0"))  # a broker restarted without persistence
+    def vanish() -> None:  # what a broker restarted without persistence does to the record
+        pool.r.delete(pool.keys.future("op0"))
+
+    pool.during = vanish
     pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL, delivery_tag=tag)
 
     assert pool.unacked(tag) and tag not in ACKED_BY_FINISH

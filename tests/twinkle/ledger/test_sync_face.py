@@ -3,12 +3,10 @@ scripts (a restart without persistence) by running the script on its own."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import redis
-from redis.connection import Connection
 
+from tests.harness import redis_sends
 from twinkle.ledger import SyncLedger
 from twinkle.ledger.call import commands, script
 
@@ -16,19 +14,11 @@ COUNT = "return redis.call('INCR', KEYS[1])"
 
 
 def test_a_script_and_the_reads_after_it_take_one_round_trip_and_the_reads_see_its_write(
-        private_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+        private_client: redis.Redis) -> None:
     ledger = SyncLedger(private_client)
     ledger.run(script(COUNT, ["n"], [], int))  # loaded once
-    sent: list[Any] = []
-    original = Connection.send_packed_command
-
-    def counted(self: Connection, command: Any, check_health: bool = True) -> None:
-        sent.append(command)
-        original(self, command, check_health)
-
-    monkeypatch.setattr(Connection, "send_packed_command", counted)
-    count, read = ledger.run_then(script(COUNT, ["n"], [], int), commands(("GET", "n"), decode=lambda r: r[0]))
-    monkeypatch.undo()
+    with redis_sends() as sent:
+        count, read = ledger.run_then(script(COUNT, ["n"], [], int), commands(("GET", "n"), decode=lambda r: r[0]))
     assert (count, read, len(sent)) == (2, b"2", 1)
 
 
