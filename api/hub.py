@@ -9,6 +9,10 @@ Redis connection and costs no command: registering is a dict insert. Wake-ups ca
   every waiter's record, waking those that finished (or whose broker restarted) meanwhile;
 - every RECHECK_SECONDS the same batched re-read runs anyway, in case a message was lost some other way.
 
+A poll of a future this process submitted skips that first read while the subscription has held since the submit:
+the hub notes every done message of such a future, so none yet means it has not ended (api/submitted.py). A done
+message that carries a completed op's result wakes its waiters with it, and they answer without a read.
+
 A re-read runs on the Redis server (one script call per READ_BATCH records, answering only the ones to wake):
 read from Python, one HMGET per record, 10,000 parked polls cost the API's event loop about 0.6 s of every
 RECHECK_SECONDS, in stalls of 50 ms.
