@@ -255,6 +255,7 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     celery = make_celery(url, events=config.flower.enabled)
     celery.conf.worker_consumer = "workers.broker_link:QuickReconnectConsumer"
     celery.conf.broker_transport = "workers.handover:HandoverTransport"  # no message only in this process's memory
+    runtime.acked_by_finish = handover.ACKED_BY_FINISH  # its consumer skips the ack a completed op's finish made
     broker_link.tolerate_lost_acks()
     for op in Op:
         _register(celery, runtime, op)

@@ -38,7 +38,6 @@ from twinkle.script_batch import ScriptCall
 from twinkle.telemetry import annotate_op_span, record_usage, task_finished, task_started
 from twinkle.usage import SAVE_OPS, UsageLedger, amounts_for, recorded
 from workers.clock import Clock, FusedRunner, Job
-from workers.handover import ACKED_BY_FINISH
 from workers.lost_adapters import LostAdapterOps
 from workers.prereads import Prereads
 
@@ -74,6 +73,9 @@ class PoolRuntime:
         self.futures = SyncLedger(r)  # their lifecycle (twinkle.ledger)
         self.current: RunningOp | None = None  # the op in its handler (model pools), for the hang watchdog
         self.prereads: Prereads | None = None  # reads sent with each delivery's record (workers/prereads.py)
+        # Where a completed op's finish, which then acknowledges its message too, leaves its delivery tag for a
+        # consumer that skips its own ack of it (workers/handover.py); None: the consumer acks every message.
+        self.acked_by_finish: set[str] | None = None
         self.clock: Clock | None = None  # set by `use_clock`: ops of many adapters run in fused cycles
         self.announcements: dict[str, str] = {}  # keys the heartbeat restores should the broker lose them
         self.metrics = RunMetrics(r, keys)  # per-run step metrics and recent failures, for the console
@@ -367,12 +369,14 @@ class PoolRuntime:
         finished_at = str(time.time())
         metrics = self.metrics.call(rec, result, finished_at)
         usage = self._usage_call(rec, amounts)
+        acked = self.acked_by_finish
+        tag = delivery_tag if acked is not None else ""
         finished, replies = self._finish(rec, FutureStatus.COMPLETED, blobs.dumps(result), finished_at=finished_at,
                                          along=[call for call in (metrics, usage) if call is not None],
-                                         delivery_tag=delivery_tag)
+                                         delivery_tag=tag)
         if finished:
-            if delivery_tag:
-                ACKED_BY_FINISH.add(delivery_tag)
+            if tag and acked is not None:
+                acked.add(tag)
             task_finished(rec, FutureStatus.COMPLETED, result=result)
         self._recorded(rec, replies, usage, amounts)
 

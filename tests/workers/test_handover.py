@@ -22,7 +22,7 @@ QUEUE = "model.handover-test.0"
 
 
 def app_with_task(url: str, ran: list[str], gate: threading.Event | None = None, *,
-                  acked_by_finish: bool = False) -> Celery:
+                  acked_by_finish: list[str] | None = None) -> Celery:
     """A pool-like app whose task notes its argument; with `acked_by_finish` it reports its message acknowledged,
     as a finished op's script does (without removing the entry, so that a write by the consumer's ack shows)."""
     celery = make_celery(url, events=False)
@@ -34,8 +34,9 @@ def app_with_task(url: str, ran: list[str], gate: threading.Event | None = None,
     def note(self: Any, name: str) -> None:
         if gate is not None:
             gate.wait(10)
-        if acked_by_finish:
-            ACKED_BY_FINISH.add(self.request.properties["delivery_tag"])
+        if acked_by_finish is not None:
+            acked_by_finish.append(self.request.properties["delivery_tag"])
+            ACKED_BY_FINISH.add(acked_by_finish[-1])
         ran.append(name)
 
     return celery
@@ -91,11 +92,13 @@ def test_the_consumers_ack_of_a_message_its_finish_acknowledged_writes_nothing_a
         broker: PrivateRedis) -> None:
     r = redis.Redis.from_url(broker.url)
     ran: list[str] = []
-    celery = app_with_task(broker.url, ran, acked_by_finish=True)
+    tags: list[str] = []
+    celery = app_with_task(broker.url, ran, acked_by_finish=tags)
     with consuming(celery):
         for name in ("first", "second", "third"):
             send(celery, name)
-        wait_for(lambda: len(ran) == 3 and not ACKED_BY_FINISH)  # each ack let the consumer take the next message
+        # each ack let the consumer take the next message, and took the tag the finish left
+        wait_for(lambda: len(ran) == 3 and not ACKED_BY_FINISH.intersection(tags))
     assert ran == ["first", "second", "third"]
     assert r.hlen(UNACKED) == 3 and r.zcard(UNACKED_INDEX) == 3  # left as they were: no ack wrote to Redis
 

@@ -22,7 +22,6 @@ from twinkle.pool_lease import PoolLease
 from twinkle.records import ModelRecord
 from twinkle.run_metrics import parse_entry
 from twinkle.usage import UsageLedger
-from workers.handover import ACKED_BY_FINISH
 from workers.runtime import PoolRuntime
 
 QUEUE = "model.pool.0"
@@ -42,6 +41,8 @@ class Pool:
         self.runtime.backlog = BacklogRelease(r, keys, QUEUE, window=2, ttl=60)
         self.runtime.send = lambda parked: self.sent.append(parked.request_id)
         self.runtime.ledger = UsageLedger(r, keys)
+        self.acked: set[str] = set()
+        self.runtime.acked_by_finish = self.acked  # as a pool worker's handover consumer has it
         self.runtime.usage_model = "tiny"
         r.hset(keys.model(MODEL), mapping=ModelRecord(MODEL, "t", "s1", "tiny", "app", QUEUE).to_hash())
 
@@ -90,8 +91,7 @@ def test_the_outcome_ack_release_metrics_and_usage_of_an_op_take_one_round_trip(
         pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL, delivery_tag=tag)
 
     assert len(sends) - after_handler[0] == 1
-    assert not pool.unacked(tag)  # acknowledged by the finish, and the consumer's own ack is told so
-    ACKED_BY_FINISH.remove(tag)
+    assert not pool.unacked(tag) and pool.acked == {tag}  # acknowledged by the finish, and the consumer told so
     assert FutureRecord.from_hash(pool.r.hgetall(pool.keys.future("op0"))).state is FutureStatus.COMPLETED
     assert pool.steps() == [1]
     assert UsageLedger(pool.r, pool.keys).totals("t", "day")  # the op's usage was counted
@@ -116,7 +116,7 @@ def test_a_worker_fenced_off_while_an_op_ran_leaves_the_release_parked_and_count
     pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL, delivery_tag=tag)
 
     assert FutureRecord.from_hash(pool.r.hgetall(pool.keys.future("op0"))).state is FutureStatus.RUNNING
-    assert pool.unacked(tag) and tag not in ACKED_BY_FINISH  # the message is the consumer's to ack
+    assert pool.unacked(tag) and tag not in pool.acked  # the message is the consumer's to ack
     pool.r.hdel(UNACKED, tag)
     pool.r.zrem(UNACKED_INDEX, tag)
     assert pool.sent == [] and pool.parked() == ["op2"]  # for the queue's new holder to send
@@ -132,6 +132,6 @@ def test_an_op_whose_record_vanished_leaves_its_message_to_the_consumers_own_ack
     pool.during = vanish
     pool.runtime.execute(Op.OPTIM_STEP, "op0", MODEL, delivery_tag=tag)
 
-    assert pool.unacked(tag) and tag not in ACKED_BY_FINISH
+    assert pool.unacked(tag) and tag not in pool.acked
     pool.r.hdel(UNACKED, tag)
     pool.r.zrem(UNACKED_INDEX, tag)
