@@ -149,18 +149,12 @@ class LongPolls:
 
     def _poll_of(self, scope: Scope, body: bytes) -> tuple[str, str] | None:
         """(request id, tenant) of a poll the route would accept as it stands, else None."""
-        x_api_key = authorization = content_type = None
-        for name, value in scope["headers"]:  # the first of each, as the route's header parameters read them
-            if name == b"x-api-key" and x_api_key is None:
-                x_api_key = value.decode("latin-1")
-            elif name == b"authorization" and authorization is None:
-                authorization = value.decode("latin-1")
-            elif name == b"content-type" and content_type is None:
-                content_type = value.decode("latin-1")
-        if content_type is None or content_type.split(";", 1)[0].strip().lower() != "application/json":
+        headers = first_headers(scope, b"x-api-key", b"authorization", b"content-type")
+        if not is_json(headers.get(b"content-type")):
             return None  # the route would not read it as JSON (or might not): it answers, as it stands
         try:
-            tenant, _ = self.ctx.auth.identify(key_from_headers(x_api_key, authorization))
+            key = key_from_headers(headers.get(b"x-api-key"), headers.get(b"authorization"))
+            tenant, _ = self.ctx.auth.identify(key)
             request_id = RetrieveFutureBody.model_validate(json.loads(body)).request_id
         except (TwinkleError, ValueError, ValidationError):
             return None
@@ -177,7 +171,8 @@ class LongPolls:
                 result = await self.ctx.store.result(record.request_id)
             except Exception:  # noqa: BLE001 - see above
                 return False
-            body, media_type = result_answer(record, result, protobuf=accepts_protobuf(_header(scope, b"accept")))
+            body, media_type = result_answer(record, result, protobuf=accepts_protobuf(
+                first_headers(scope, b"accept").get(b"accept", "")))
         else:
             return False
         scope.setdefault("state", {})["tenant"] = tenant  # for the access log, as the route's auth dependency sets it
@@ -187,12 +182,18 @@ class LongPolls:
         return True
 
 
-def _header(scope: Scope, name: bytes) -> str:
-    """The first value of header `name`, as Starlette's `request.headers.get` reads it ("" when absent)."""
-    for key, value in scope["headers"]:
-        if key == name:
-            return str(value.decode("latin-1"))
-    return ""
+def first_headers(scope: Scope, *names: bytes) -> dict[bytes, str]:
+    """The first value of each header of `names` the request has, as Starlette's `request.headers.get` reads it."""
+    found: dict[bytes, str] = {}
+    for name, value in scope["headers"]:
+        if name in names and name not in found:
+            found[name] = value.decode("latin-1")
+    return found
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether a request's content type is JSON, as FastAPI reads a body parameter."""
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json"
 
 
 def replay(messages: Sequence[Message], receive: Receive) -> Receive:

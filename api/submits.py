@@ -28,7 +28,7 @@ from api import tinker_submits
 from api.context import ApiContext
 from api.errors import ErrorAnswers
 from api.finite_json import finite_json_bytes
-from api.long_poll import App, Message, Receive, Scope, Send, replay
+from api.long_poll import App, Message, Receive, Scope, Send, first_headers, is_json, replay
 from api.responses.tinker import future_handle
 from api.schemas import OptimStepBody
 from twinkle.auth import key_from_headers
@@ -83,7 +83,7 @@ class Submits:
                    ) -> Coroutine[Any, Any, tuple[ModelRecord, str]] | None:
         """The submit the route would make of this request, not begun yet, or None where the route would answer
         otherwise."""
-        headers = _first_headers(scope)
+        headers = first_headers(scope, b"x-api-key", b"authorization", b"content-type", b"content-encoding")
         if len(body) > self.ctx.max_request_bytes:
             return None
         try:
@@ -93,8 +93,7 @@ class Submits:
             return None
         parsed = None
         if route == "optim_step":
-            media_type = (headers.get(b"content-type") or "").split(";", 1)[0].strip().lower()
-            if media_type != JSON.decode():
+            if not is_json(headers.get(b"content-type")):
                 return None  # FastAPI reads other media types in ways of its own: the route answers them
             try:
                 parsed = OptimStepBody.model_validate(json.loads(body))
@@ -106,13 +105,3 @@ class Submits:
             return tinker_submits.optim_step(self.ctx, tenant, policy, parsed)
         return tinker_submits.forward_backward(self.ctx, tenant, policy, body, headers.get(b"content-type") or "",
                                                headers.get(b"content-encoding"), forward_only=route == "forward")
-
-
-def _first_headers(scope: Scope) -> dict[bytes, str]:
-    """The first value of each header the submits read, as Starlette's `request.headers.get` reads it."""
-    wanted = (b"x-api-key", b"authorization", b"content-type", b"content-encoding")
-    found: dict[bytes, str] = {}
-    for name, value in scope["headers"]:
-        if name in wanted and name not in found:
-            found[name] = value.decode("latin-1")
-    return found

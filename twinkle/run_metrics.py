@@ -119,6 +119,3 @@ def _combine(reduction: str, values: list[float]) -> float:
         return float(max(values) if reduction == "max" else min(values))
     return float(sum(values) / len(values))
 
-
-# KEYS: model record, metrics list. ARGV: 1 when the op takes an optimizer step, the entry, the cap.
-# A model record that is gone (unloaded and deleted) gets nothing, so no residue is left behind.
