@@ -12,20 +12,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
-import redis
 from fastapi.encoders import jsonable_encoder
 
 from api import long_poll
 from api.finite_json import FiniteJSONResponse
 from api.future_answer import result_answer
-from tests.harness import api_in_process
+from tests.harness import ApiInProcess, api_in_process
 from twinkle import blobs
 from twinkle.auth import tenant_id
 from twinkle.futures import FutureRecord, new_request_id
-from twinkle.keys import Keys
 from twinkle.types import ForwardBackwardOutput, SampledSequence, SampleOutput
 
 KEY = "tml-long-poll"
@@ -33,11 +30,7 @@ LONG_POLL_SECONDS = 1.5
 
 
 @dataclass
-class Served:
-    http: httpx.AsyncClient
-    app: Any
-    redis: redis.Redis
-    keys: Keys
+class Served(ApiInProcess):
 
     def queued_future(self, owner_key: str = KEY) -> str:
         """A future no worker runs (its queue has no consumer): only the test ends it."""

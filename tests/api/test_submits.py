@@ -13,25 +13,19 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from api import submits
 from tests.api.test_tinker_codec import ce_datum, sdk_forward_backward_body
-from tests.harness import api_in_process
+from tests.harness import ApiInProcess, api_in_process
 from twinkle.auth import tenant_id
 from twinkle.futures import FutureRecord
-from twinkle.keys import Keys
 from twinkle.records import ModelRecord
 
 KEY = "tml-submits"
 
 
 @dataclass
-class Served:
-    http: httpx.AsyncClient
-    app: Any
-    redis: redis.Redis
-    keys: Keys
+class Served(ApiInProcess):
     answered_here: list[bytes]
 
     def model(self, owner_key: str = KEY, status: str = "active", model_id: str = "") -> str:
