@@ -25,6 +25,8 @@ class ClientConfig(OpenAnswer):
     """The SDK's flags: these defaults, plus whatever the operator's TWINKLE_TINKER_CLIENT_CONFIG sets."""
 
     pjwt_auth_enabled: bool
+    use_pyqwest_transport: bool = Field(description="False unless the operator sets it: the SDK then uses "
+                                        "httpx's own transport, whose requests cannot abort the client at exit.")
 
 
 class DynamicConfig(Answer):

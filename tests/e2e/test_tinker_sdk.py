@@ -5,6 +5,8 @@ The conformance flow it follows: docs/tinker_protocol.md#conformance-flow.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,3 +213,32 @@ def test_a_client_side_custom_loss_trains_through_forward_backward_custom(servic
         last = tc.forward_backward_custom(BATCH, mean_nll).result()
         tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
     assert last.metrics["mean_nll:mean"] < first.metrics["mean_nll:mean"]
+
+
+SDK_SCRIPT = """
+import sys
+from pathlib import Path
+import tinker
+from tinker import types
+service = tinker.ServiceClient(base_url=sys.argv[1], api_key="tml-transport")
+tc = service.create_lora_training_client(base_model=sys.argv[2], rank=4).result()
+tc.forward_backward([types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                                 loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3})],
+                   "cross_entropy").result()
+print(sorted({task.joinpath("comm").read_text().strip() for task in Path("/proc/self/task").iterdir()}))
+"""
+
+
+@pytest.mark.parametrize("flags, tokio_threads", [(None, False), ('{"use_pyqwest_transport": true}', True)])
+def test_the_sdk_runs_no_rust_transport_threads_that_could_abort_it_at_exit_unless_the_operator_asks(
+        tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, flags: str | None,
+        tokio_threads: bool) -> None:
+    env = {"TWINKLE_TINKER_CLIENT_CONFIG": flags} if flags else {}
+    server = launch(tmp_path_factory.mktemp("transport"), tiny_model_dir, db=13, env=env)
+    try:
+        done = subprocess.run([sys.executable, "-c", SDK_SCRIPT, server.base_url, BASE],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        server.stop()
+    assert done.returncode == 0, done.stderr
+    assert ("tokio-rt-worker" in done.stdout) is tokio_threads, done.stdout
