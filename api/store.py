@@ -34,7 +34,7 @@ from twinkle.telemetry import submit_trace
 from twinkle.tenancy import DEFAULT_POLICY, TenantPolicy, combined_limit, training_runs_exceeded
 
 BROKER_IDENTITY_MAX_AGE = 2.0  # seconds between run_id checks
-SUBMITTING_MODELS = 4096  # models whose unchanging fields are kept for their submits (the least recent go)
+KEPT_RECORDS = 4096  # models and sampling sessions whose unchanging fields are kept (the least recent go)
 READ_AHEAD_RESULTS = 256  # results read along with their record and not taken yet: past this, the oldest go
 
 
@@ -62,6 +62,7 @@ class Store:
         self.direct_send = direct_send
         self.future_ttl = future_ttl
         self._submitting: OrderedDict[str, ModelRecord] = OrderedDict()  # model_to_submit's, most recent last
+        self._sampling_sessions: OrderedDict[str, SamplingSessionRecord] = OrderedDict()  # most recent last
         self.session_ttl = session_ttl
         self.broker_started_at = 0.0
         self._results_read: dict[str, bytes] = {}  # completed results read with their record (`future`), oldest first
@@ -274,7 +275,7 @@ class Store:
             return record
         record = await self.model(model_id, owner)
         self._submitting[model_id] = record
-        if len(self._submitting) > SUBMITTING_MODELS:
+        if len(self._submitting) > KEPT_RECORDS:
             self._submitting.popitem(last=False)
         return record
 
@@ -333,11 +334,22 @@ class Store:
         await pipe.execute()
 
     async def sampling_session(self, sampling_session_id: str, owner: str) -> SamplingSessionRecord:
-        raw = await self.r.hgetall(self.keys.sampling_session(sampling_session_id))
-        if not raw or SamplingSessionRecord.from_hash(raw).owner != owner:
+        """The caller's sampling session. Read once and then kept, as `model_to_submit` keeps a model: a sampling
+        session's record never changes and is never deleted, so every sample of a client costs one round trip."""
+        record = self._sampling_sessions.get(sampling_session_id)
+        if record is None:
+            raw = await self.r.hgetall(self.keys.sampling_session(sampling_session_id))
+            record = SamplingSessionRecord.from_hash(raw) if raw else None
+            if record is not None:
+                self._sampling_sessions[sampling_session_id] = record
+                if len(self._sampling_sessions) > KEPT_RECORDS:
+                    self._sampling_sessions.popitem(last=False)
+        else:
+            self._sampling_sessions.move_to_end(sampling_session_id)
+        if record is None or record.owner != owner:
             raise NotFound(f"Sampling session {sampling_session_id} not found.",
                            hint="Create a sampling client first.")
-        return SamplingSessionRecord.from_hash(raw)
+        return record
 
     # -- runs' records and checkpoint indexes, beyond the owner's view -------------------------
 

@@ -17,7 +17,7 @@ from twinkle.celery_app import make_celery
 from twinkle.errors import AdapterGone, Expired, LimitExceeded, NotFound, QuotaExceeded
 from twinkle.futures import Op, new_request_id
 from twinkle.keys import Keys
-from twinkle.records import ModelRecord
+from twinkle.records import ModelRecord, SamplingSessionRecord
 from twinkle.tenancy import TenantPolicy
 
 
@@ -91,6 +91,20 @@ async def test_a_models_submits_read_it_once_and_one_after_its_unload_fails_as_r
         await store.model(record.model_id, "alice")
     assert str(refused.value) == str(read.value) and "its session ended" in str(read.value)
     assert await store.r.zcard(store.keys.owner_futures("alice")) == 1  # the refused op left nothing behind
+
+
+async def test_a_sampling_session_is_read_once_and_only_its_owner_is_served_from_what_was_kept(store: Store) -> None:
+    record = SamplingSessionRecord(sampling_session_id=f"s{uuid.uuid4().hex[:6]}:sample:0", owner="alice",
+                                   session_id="s", base_model="tiny", queue="model.q.0")
+    with pytest.raises(NotFound):  # none yet: nothing is kept of a miss
+        await store.sampling_session(record.sampling_session_id, "alice")
+    await store.add_sampling_session(record)
+    kept = await store.sampling_session(record.sampling_session_id, "alice")
+    assert kept == record
+    await store.r.delete(store.keys.sampling_session(record.sampling_session_id))
+    assert await store.sampling_session(record.sampling_session_id, "alice") is kept
+    with pytest.raises(NotFound):
+        await store.sampling_session(record.sampling_session_id, "bob")
 
 
 async def test_the_tiers_training_run_cap_and_the_servers_model_limit_combine_and_the_smaller_wins(

@@ -61,6 +61,12 @@ def optim_body(model_id: str, **extra: Any) -> dict[str, Any]:
     return {"model_id": model_id, "adam_params": {"learning_rate": 1e-4}, **extra}
 
 
+def sample_body(served: Served, **extra: Any) -> dict[str, Any]:
+    return {"base_model": next(iter(served.app.state.ctx.catalog.models)), "num_samples": 2,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+            "sampling_params": {"max_tokens": 4, "temperature": 1.0}, **extra}
+
+
 async def by_route(served: Served, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any],
                    **kwargs: Any) -> httpx.Response:
     """The same request, handed on to the app by the middleware (as one it cannot read would be)."""
@@ -99,6 +105,36 @@ async def test_a_submit_is_answered_by_the_middleware_as_the_route_answers_it(
     assert {(f.op, f.owner, f.model_id, f.queue, f.status) for f in submitted} == {
         (submitted[0].op, tenant_id(KEY), model_id, submitted[0].queue, submitted[0].status)}
     assert submitted[0].op == path.strip("/")
+
+
+async def test_a_sample_is_answered_by_the_middleware_as_the_route_answers_it(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    mine = await served.http.post("/asample", json=sample_body(served))
+    assert served.answered_here == [mine.content]
+    theirs = await by_route(served, monkeypatch, "/asample", sample_body(served))
+    assert served.answered_here == [mine.content]
+    assert mine.status_code == theirs.status_code == 200, (mine.text, theirs.text)
+    ids = {response: response.json()["request_id"] for response in (mine, theirs)}
+    assert mine.content == theirs.content.replace(ids[theirs].encode(), ids[mine].encode())
+    assert same_headers(mine) == same_headers(theirs)
+    assert mine.json()["sample_sequence_ids"] == [f"{ids[mine]}:0", f"{ids[mine]}:1"]
+    assert {(f.op, f.owner, f.status) for f in map(served.future, ids.values())} == {
+        ("sample", tenant_id(KEY), served.future(ids[mine]).status)}
+
+
+@pytest.mark.parametrize(("what", "extra", "status"), [
+    ("a sampling session that does not exist", {"sampling_session_id": "s0:sample:0", "base_model": None}, 404),
+    ("a checkpoint that does not exist", {"model_path": "tinker://s0:train:0/sampler_weights/none",
+                                          "base_model": None}, 404),
+    ("prompt_logprobs_last_n without prompt logprobs", {"prompt_logprobs_last_n": 1}, 400),
+])
+async def test_a_sample_the_service_refuses_is_answered_as_the_route_answers_it(
+        served: Served, monkeypatch: pytest.MonkeyPatch, what: str, extra: dict[str, Any], status: int) -> None:
+    mine = await served.http.post("/asample", json=sample_body(served, **extra))
+    theirs = await by_route(served, monkeypatch, "/asample", sample_body(served, **extra))
+    assert mine.status_code == theirs.status_code == status, (what, mine.text, theirs.text)
+    assert without_ids(mine) == without_ids(theirs) and same_headers(mine) == same_headers(theirs)
+    assert served.answered_here == []
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["protobuf", "protobuf with zstd"])
@@ -162,6 +198,9 @@ async def test_requests_the_middleware_cannot_read_are_answered_by_the_app_as_be
         ("/optim_step", "not JSON", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400),
         ("/optim_step", "a field of the wrong type", {"json": optim_body(model_id, seq_id="first")}, 400),
         ("/optim_step", "no model id", {"json": {"adam_params": {"learning_rate": 1e-4}}}, 400),
+        ("/asample", "no key", {"json": sample_body(served), "headers": {"X-API-Key": ""}}, 401),
+        ("/asample", "no samples asked", {"json": sample_body(served, num_samples=0)}, 400),
+        ("/asample", "an unsupported field set", {"json": sample_body(served, prompt_alt_tokens_k=2)}, 400),
     ]
     for path, what, request, status in cases:
         r = await served.http.post(path, **request)
