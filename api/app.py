@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -41,6 +40,7 @@ from api.routes import (
     twinkle,
     usage,
 )
+from api.sdk_flags import sdk_flags
 from api.stability_records import StabilityRecords
 from api.store import Store
 from api.submits import Submits
@@ -91,7 +91,7 @@ def build_context(config: ServerConfig, broker_url: str, *, long_poll_seconds: f
                                               future_ttl=config.storage.future_ttl_seconds),
                       export_store=ExportStore.from_storage(config.storage),
                       long_poll_seconds=long_poll_seconds, max_request_bytes=config.storage.max_request_bytes,
-                      tinker_client_config=json.loads(os.environ.get("TWINKLE_TINKER_CLIENT_CONFIG") or "{}"))
+                      tinker_client_config=sdk_flags())
 
 
 def create_app(config: ServerConfig, broker_url: str, *, long_poll_seconds: float = 30.0) -> FastAPI:

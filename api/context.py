@@ -43,7 +43,7 @@ class ApiContext:
     usage_history: UsageHistory  # the usage ledger, for reports
     long_poll_seconds: float = 30.0
     max_request_bytes: int = 64 << 20
-    tinker_client_config: dict[str, Any] = field(default_factory=dict)
+    tinker_client_config: dict[str, Any] = field(default_factory=dict)  # what /client/config answers (api/sdk_flags.py)
     writes: CheckpointWrites | None = None  # the per-key cap on outstanding checkpoint saves
     downloads: DownloadSigner | None = None  # signs download URLs; made on first use (api/services/downloads.py)
     export_store: ExportStore | None = None  # set: downloads come from an S3-compatible bucket instead

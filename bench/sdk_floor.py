@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from raw_client import BenchServer, one_pool_config, pct  # noqa: E402
 
-from api.routes.session import TINKER_CLIENT_DEFAULTS  # noqa: E402
+from api.sdk_flags import sdk_flags  # noqa: E402
 from api.tinker_codec import (  # noqa: E402
     decode_forward_backward,
     encode_forward_backward_output,
@@ -139,7 +139,7 @@ class StandIn:
 
     def json_route(self, method: str, route: str, body: dict[str, Any]) -> dict[str, Any] | None:
         if route == "/client/config":  # the SDK's flags as Twinkle sends them, so both use the same transport
-            return {**TINKER_CLIENT_DEFAULTS, **json.loads(os.environ.get("TWINKLE_TINKER_CLIENT_CONFIG") or "{}")}
+            return sdk_flags()
         if route == "/client/dynamic_config":
             return {}
         if route == "/create_session":

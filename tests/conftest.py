@@ -117,7 +117,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     to servers the tests stopped, Celery and Ray keep theirs. Finalizing the interpreter under them crashed once in
     a full run (SIGABRT after "1896 passed"), which turned a green run red without any test having failed. The
     crash had the signature later traced to the SDK's pyqwest transport (Rust threads re-entering Python while it
-    finalizes), which Twinkle's /client/config now turns off (api/routes/session.py); any other library thread
+    finalizes), which Twinkle's /client/config now turns off (api/sdk_flags.py); any other library thread
     that does the same would end the run the same way, so the suite still leaves without finalizing."""
     if not _EXIT_STATUS:
         return

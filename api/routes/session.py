@@ -27,12 +27,6 @@ from twinkle.launched_process import INSTANCE_ENV
 
 router = APIRouter()
 
-# What /client/config tells the Tinker SDK unless the operator's TWINKLE_TINKER_CLIENT_CONFIG (JSON) overrides a
-# flag. The SDK's own default transport, pyqwest, completes requests on Rust (tokio) threads that call back into
-# Python; one that lands while the interpreter finalizes aborts the client's process on Python < 3.14
-# (`Fatal Python error: Aborted` after the script's last line: 4 of 36 cookbook sample.py runs). httpx's own
-# transport has no such threads (0 of 48), so Twinkle sends the SDK's documented kill-switch.
-TINKER_CLIENT_DEFAULTS: dict[str, Any] = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False}
 
 
 @router.get("/healthz", response_model=described_by(Health))
@@ -45,8 +39,8 @@ async def healthz(ctx: Ctx) -> dict[str, Any]:
 
 @router.post("/client/config", response_model=described_by(ClientConfig))
 async def client_config(ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
-    """SDK flags: TINKER_CLIENT_DEFAULTS, with whatever TWINKLE_TINKER_CLIENT_CONFIG (JSON) overrides."""
-    return {**TINKER_CLIENT_DEFAULTS, **ctx.tinker_client_config}
+    """SDK flags (api/sdk_flags.py): Twinkle's defaults, with whatever TWINKLE_TINKER_CLIENT_CONFIG overrides."""
+    return ctx.tinker_client_config
 
 
 @router.post("/client/dynamic_config", response_model=described_by(DynamicConfig))
