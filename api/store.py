@@ -11,7 +11,6 @@ import json
 import math
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from twinkle.futures import FutureRecord, FutureStatus, new_request_id, request_
 from twinkle.keys import Keys
 from twinkle.ledger import AsyncLedger, lifecycle
 from twinkle.ledger.call import text
+from twinkle.recent import Recent
 from twinkle.records import ModelRecord, SamplingSessionRecord, SessionRecord
 from twinkle.task_message import task_message
 from twinkle.telemetry import submit_trace
@@ -61,8 +61,8 @@ class Store:
         # Celery's publish hooks (its task-sent events, its trace headers): those send through Celery.
         self.direct_send = direct_send
         self.future_ttl = future_ttl
-        self._submitting: OrderedDict[str, ModelRecord] = OrderedDict()  # model_to_submit's, most recent last
-        self._sampling_sessions: OrderedDict[str, SamplingSessionRecord] = OrderedDict()  # most recent last
+        self._submitting: Recent[str, ModelRecord] = Recent(KEPT_RECORDS)  # model_to_submit's
+        self._sampling_sessions: Recent[str, SamplingSessionRecord] = Recent(KEPT_RECORDS)
         self.session_ttl = session_ttl
         self.broker_started_at = 0.0
         self._results_read: dict[str, bytes] = {}  # completed results read with their record (`future`), oldest first
@@ -259,7 +259,7 @@ class Store:
         """Raise what reading the model would have raised, when a submit that checked its model was refused."""
         if answer not in (lifecycle.MODEL_MISSING, lifecycle.MODEL_UNLOADED):
             return
-        self._submitting.pop(model_id, None)
+        self._submitting.pop(model_id)
         await self.model(model_id, owner)  # raises NotFound or AdapterGone with the record's own details
         raise AdapterGone(f"Model {model_id} was unloaded.", hint="Create a new model.")  # changed back meanwhile
 
@@ -271,12 +271,9 @@ class Store:
         trip, not two."""
         record = self._submitting.get(model_id)
         if record is not None and record.owner == owner:
-            self._submitting.move_to_end(model_id)
             return record
         record = await self.model(model_id, owner)
-        self._submitting[model_id] = record
-        if len(self._submitting) > KEPT_RECORDS:
-            self._submitting.popitem(last=False)
+        self._submitting.put(model_id, record)
         return record
 
     async def model(self, model_id: str, owner: str, *, active: bool = True) -> ModelRecord:
@@ -341,11 +338,7 @@ class Store:
             raw = await self.r.hgetall(self.keys.sampling_session(sampling_session_id))
             record = SamplingSessionRecord.from_hash(raw) if raw else None
             if record is not None:
-                self._sampling_sessions[sampling_session_id] = record
-                if len(self._sampling_sessions) > KEPT_RECORDS:
-                    self._sampling_sessions.popitem(last=False)
-        else:
-            self._sampling_sessions.move_to_end(sampling_session_id)
+                self._sampling_sessions.put(sampling_session_id, record)
         if record is None or record.owner != owner:
             raise NotFound(f"Sampling session {sampling_session_id} not found.",
                            hint="Create a sampling client first.")

@@ -13,13 +13,13 @@ own read would be. A pool that runs one op at a time with the next message reser
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Any
 
 from twinkle.keys import Keys
 from twinkle.ledger import lifecycle
 from twinkle.ledger.call import Call
 from twinkle.ledger.lifecycle import RunInputs
+from twinkle.recent import Recent
 
 # Far above a pool's window of held ops: reads that no thread took (a message Celery refused) age out here.
 LIMIT = 4096
@@ -28,7 +28,7 @@ LIMIT = 4096
 class Prereads:
     def __init__(self, keys: Keys) -> None:
         self.keys = keys
-        self._kept: OrderedDict[str, tuple[str, RunInputs]] = OrderedDict()
+        self._kept: Recent[str, tuple[str, RunInputs]] = Recent(LIMIT)
         self._lock = threading.Lock()
 
     def read_for(self, message: Any) -> tuple[str, str, Call[RunInputs]] | None:
@@ -43,15 +43,12 @@ class Prereads:
 
     def keep(self, request_id: str, model_id: str, inputs: RunInputs) -> None:
         with self._lock:
-            self._kept[request_id] = (model_id, inputs)
-            self._kept.move_to_end(request_id)
-            while len(self._kept) > LIMIT:
-                self._kept.popitem(last=False)
+            self._kept.put(request_id, (model_id, inputs))
 
     def take(self, request_id: str, model_id: str) -> RunInputs | None:
         """The read kept for this delivery of the op, once; None when there is none for the same model."""
         with self._lock:
-            kept = self._kept.pop(request_id, None)
+            kept = self._kept.pop(request_id)
         return kept[1] if kept is not None and kept[0] == model_id else None
 
     def __len__(self) -> int:
