@@ -43,6 +43,7 @@ from workers import broker_link, handover, processor
 from workers.exports import ExportSettings
 from workers.factory import build_model_pool, build_sampler
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
+from workers.lean_tasks import LeanTasks
 from workers.lifecycle import AdapterReaper
 from workers.orphans import OrphanSweep
 from workers.prereads import Prereads
@@ -180,16 +181,16 @@ def sampler_threads(app: SamplerApp) -> int:
     return max(sampler_slots(app), app.args.scheduling.window)
 
 
-def _held_task_ids(runtime: PoolRuntime) -> set[str]:
+def _held_task_ids(runtime: PoolRuntime, lean: LeanTasks | None = None) -> set[str]:
     from celery.worker import state
 
-    held = {str(task_id) for task_id in list(state.requests)}
+    held = {str(task_id) for task_id in list(state.requests)} | (lean.held() if lean is not None else set())
     running = runtime.current
     return held | {running.rec.request_id} if running else held
 
 
-def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime) -> None:
-    orphans = OrphanSweep(r, queue, lambda: _held_task_ids(runtime), lease=runtime.lease)
+def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime, lean: LeanTasks | None) -> None:
+    orphans = OrphanSweep(r, queue, lambda: _held_task_ids(runtime, lean), lease=runtime.lease)
     while True:
         if runtime.lease is not None and not runtime.lease.fresh():
             time.sleep(HEARTBEAT_SECONDS)  # cut off or frozen past its lease: replaced, maybe; its renewal says
@@ -201,7 +202,7 @@ def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime) -> 
                     "current": running.rec.request_id if running else "",  # api.lost_futures reads `current`
                     "fused_ops": runtime.clock.fused_ops if runtime.clock else 0,
                     # api.lost_futures: the messages it holds in memory, and since when it runs
-                    "held": sorted(_held_task_ids(runtime)), "since": STARTED_AT}
+                    "held": sorted(_held_task_ids(runtime, lean)), "since": STARTED_AT}
             pipe.set(keys.pool_heartbeat(queue), json.dumps(beat), ex=10)
             for key, value in runtime.announcements.items():
                 pipe.set(key, value, nx=True)  # a restarted broker lost it
@@ -257,15 +258,18 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     celery.conf.broker_transport = "workers.handover:HandoverTransport"  # no message only in this process's memory
     runtime.acked_by_finish = handover.ACKED_BY_FINISH  # its consumer skips the ack a completed op's finish made
     broker_link.tolerate_lost_acks()
+    # Flower reads Celery's task events, telemetry its signals, and `launch -v` shows its per-task lines
+    watched = config.flower.enabled or config.telemetry.enabled or launched_process.verbose()
+    lean = LeanTasks() if LeanTasks.wanted(watched=watched, threads=not isinstance(app, ProcessorApp)) else None
     for op in Op:
-        _register(celery, runtime, op)
+        _register(celery, runtime, op, lean)
     if runtime.reservation is not None:
         queue = runtime.queue
         runtime.reservation.message_for = lambda op, rid, mid: task_message(celery, op, rid, mid, queue)
     runtime.send = lambda parked: celery.send_task(task_name(parked.op), kwargs={
         "request_id": parked.request_id, "model_id": parked.model_id}, queue=runtime.queue, task_id=parked.request_id)
     setup_worker_telemetry(config, app_name, celery)
-    threading.Thread(target=_heartbeat, args=(r, keys, runtime.queue, runtime), daemon=True).start()
+    threading.Thread(target=_heartbeat, args=(r, keys, runtime.queue, runtime, lean), daemon=True).start()
     if os.environ.get(liveness.ENV):
         limits = app.args.queue_config if isinstance(app, (ModelApp, SamplerApp, ProcessorApp)) else None
         threading.Thread(target=_liveness, args=(os.environ[liveness.ENV], runtime,
@@ -289,6 +293,8 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
             clock = runtime.clock
             pool = ["-P", "threads", "-c", str(clock.hold), "--prefetch-multiplier", "1"]
             _read_with_delivery(runtime, keys)
+            if lean is not None:
+                lean.received = clock.arrived
             task_received.connect(lambda request, **_: clock.arrived(
                 str(request.kwargs.get("request_id", "")), str(request.kwargs.get("model_id", ""))), weak=False)
     try:
@@ -320,15 +326,21 @@ def _exit_start_failed(queue: str, error: Exception) -> NoReturn:
     os._exit(PoolExit.START_FAILED)  # no interpreter teardown: a half-started Ray or model must not hang it
 
 
-def _register(celery: Any, runtime: PoolRuntime, op: Op) -> None:
-    def task(self: Any, request_id: str, model_id: str = "") -> None:
+def _register(celery: Any, runtime: PoolRuntime, op: Op, lean: LeanTasks | None = None) -> None:
+    def run(request_id: str, model_id: str, delivery_tag: str) -> None:
         with op_span(op, request_id, model_id):
-            # kombu's delivery tag is a message property: Celery's delivery_info leaves it out
-            runtime.execute(op, request_id, model_id,
-                            delivery_tag=str((getattr(self.request, "properties", None) or {}).get("delivery_tag", "")))
+            runtime.execute(op, request_id, model_id, delivery_tag=delivery_tag)
+
+    def task(self: Any, request_id: str, model_id: str = "") -> None:
+        # kombu's delivery tag is a message property: Celery's delivery_info leaves it out
+        run(request_id, model_id, str((getattr(self.request, "properties", None) or {}).get("delivery_tag", "")))
 
     task.__name__ = op.value
-    celery.task(name=task_name(op), ignore_result=True, bind=True)(task)
+    options: dict[str, Any] = {}
+    if lean is not None:
+        lean.runners[task_name(op)] = run
+        options["Strategy"] = lean.strategy
+    celery.task(name=task_name(op), ignore_result=True, bind=True, **options)(task)
 
 
 def main(argv: list[str] | None = None) -> None:
