@@ -15,6 +15,8 @@ import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
+from twinkle.round_trip import send_together
+
 
 @dataclass(frozen=True)
 class ScriptCall:
@@ -26,10 +28,8 @@ class ScriptCall:
 def run_together(r: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     """The replies of `calls`, in order; where one call failed, its error in its place (the others still ran).
     Raises only when the broker cannot be reached at all."""
-    pipe = r.pipeline(transaction=False)
-    for call in calls:
-        pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-    replies: list[Any] = pipe.execute(raise_on_error=False)
+    replies = send_together(r, [("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+                                for call in calls])
     for index, (call, reply) in enumerate(zip(calls, replies, strict=True)):
         if isinstance(reply, NoScriptError):
             try:

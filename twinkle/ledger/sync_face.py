@@ -10,6 +10,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from twinkle.ledger.call import Call
+from twinkle.round_trip import send_together
 from twinkle.script_batch import ScriptCall, run_together
 
 T = TypeVar("T")
@@ -25,7 +26,13 @@ class SyncLedger:
         """One round trip: the script (EVALSHA, loaded once when the server lacks it), the one command, or the
         commands in one pipeline."""
         if call.script:
-            return call.decode(self._registered(call.script)(keys=call.keys, args=call.args))
+            script = self._registered(call.script)
+            [reply] = send_together(self.r, [_evalsha(script, call)])
+            if isinstance(reply, NoScriptError):  # a broker that never ran it, or restarted: this loads it
+                reply = script(keys=call.keys, args=call.args)
+            elif isinstance(reply, Exception):
+                raise reply
+            return call.decode(reply)
         if len(call.commands) == 1 and not call.atomic:
             return call.decode([self.r.execute_command(*call.commands[0])])
         pipe = self.r.pipeline(transaction=call.atomic)
@@ -38,10 +45,8 @@ class SyncLedger:
         """The script `call`, then the commands of `then`, in one round trip (not atomic: `then` sees what the
         script wrote). The script's answer, and `then`'s or the error it got; raises the script's error."""
         script = self._registered(call.script)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.execute_command("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
-        then.stage(pipe)
-        first, *rest = pipe.execute(raise_on_error=False)
+        assert not then.script and not then.atomic, "only plain commands go after a script"
+        first, *rest = send_together(self.r, [_evalsha(script, call), *then.commands])
         if isinstance(first, NoScriptError):  # a restarted broker forgot it: run on its own, which loads it
             first = script(keys=call.keys, args=call.args)
         elif isinstance(first, Exception):
@@ -69,3 +74,7 @@ class SyncLedger:
         if registered is None:
             registered = self._scripts[source] = self.r.register_script(source)
         return registered
+
+
+def _evalsha(script: Script, call: Call[Any]) -> tuple[Any, ...]:
+    return ("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
