@@ -6,8 +6,10 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from twinkle.ledger.call import Call
+from twinkle.round_trip import send_together_async
 
 T = TypeVar("T")
 
@@ -21,7 +23,14 @@ class AsyncLedger:
         """One round trip: the script (EVALSHA, loaded once when the server lacks it), the one command, or the
         commands in one pipeline."""
         if call.script:
-            return call.decode(await self._registered(call.script)(keys=call.keys, args=call.args))
+            script = self._registered(call.script)
+            [reply] = await send_together_async(self.r, [("EVALSHA", script.sha, len(call.keys), *call.keys,
+                                                          *call.args)])
+            if isinstance(reply, NoScriptError):  # a broker that never ran it, or restarted: this loads it
+                reply = await script(keys=call.keys, args=call.args)
+            elif isinstance(reply, Exception):
+                raise reply
+            return call.decode(reply)
         if len(call.commands) == 1 and not call.atomic:
             return call.decode([await self.r.execute_command(*call.commands[0])])
         pipe = self.r.pipeline(transaction=call.atomic)
