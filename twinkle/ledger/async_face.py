@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
@@ -20,8 +20,8 @@ class AsyncLedger:
         self._scripts: dict[str, AsyncScript] = {}
 
     async def run(self, call: Call[T]) -> T:
-        """One round trip: the script (EVALSHA, loaded once when the server lacks it), the one command, or the
-        commands in one pipeline."""
+        """One round trip: the script (EVALSHA, loaded once when the server lacks it), or the commands sent
+        together (in MULTI/EXEC for an atomic call)."""
         if call.script:
             script = self._registered(call.script)
             [reply] = await send_together_async(self.r, [("EVALSHA", script.sha, len(call.keys), *call.keys,
@@ -31,13 +31,16 @@ class AsyncLedger:
             elif isinstance(reply, Exception):
                 raise reply
             return call.decode(reply)
-        if len(call.commands) == 1 and not call.atomic:
-            return call.decode([await self.r.execute_command(*call.commands[0])])
-        pipe = self.r.pipeline(transaction=call.atomic)
+        if not call.atomic:
+            replies = await send_together_async(self.r, call.commands)
+            failed = next((reply for reply in replies if isinstance(reply, Exception)), None)
+            if failed is not None:
+                raise failed
+            return call.decode(replies)
+        pipe = self.r.pipeline(transaction=True)
         for command in call.commands:
             pipe.execute_command(*command)
-        replies: list[Any] = await pipe.execute()
-        return call.decode(replies)
+        return call.decode(await pipe.execute())
 
     def _registered(self, source: str) -> AsyncScript:
         registered = self._scripts.get(source)

@@ -23,8 +23,8 @@ class SyncLedger:
         self._scripts: dict[str, Script] = {}
 
     def run(self, call: Call[T]) -> T:
-        """One round trip: the script (EVALSHA, loaded once when the server lacks it), the one command, or the
-        commands in one pipeline."""
+        """One round trip: the script (EVALSHA, loaded once when the server lacks it), or the commands sent
+        together (in MULTI/EXEC for an atomic call)."""
         if call.script:
             script = self._registered(call.script)
             [reply] = send_together(self.r, [_evalsha(script, call)])
@@ -33,13 +33,16 @@ class SyncLedger:
             elif isinstance(reply, Exception):
                 raise reply
             return call.decode(reply)
-        if len(call.commands) == 1 and not call.atomic:
-            return call.decode([self.r.execute_command(*call.commands[0])])
-        pipe = self.r.pipeline(transaction=call.atomic)
+        if not call.atomic:
+            replies = send_together(self.r, call.commands)
+            failed = next((reply for reply in replies if isinstance(reply, Exception)), None)
+            if failed is not None:
+                raise failed
+            return call.decode(replies)
+        pipe = self.r.pipeline(transaction=True)
         for command in call.commands:
             pipe.execute_command(*command)
-        replies: list[Any] = pipe.execute()
-        return call.decode(replies)
+        return call.decode(pipe.execute())
 
     def run_then(self, call: Call[T], then: Call[U]) -> tuple[T, U | Exception]:
         """The script `call`, then the commands of `then`, in one round trip (not atomic: `then` sees what the
