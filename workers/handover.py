@@ -18,9 +18,10 @@ list only.
 
 from __future__ import annotations
 
-from time import monotonic
+import time
 from typing import Any
 
+import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
@@ -34,6 +35,10 @@ from workers.prereads import Prereads
 ACKED_BY_FINISH: set[str] = set()
 # Set by a pool whose ops each get a thread at once: each delivery's read goes with its record (workers/prereads.py).
 PREREADS: Prereads | None = None
+# Pauses between tries of a delivery's record (and its read), which the broker may have run before the connection
+# broke: the script is idempotent, so it is sent again until the broker is back (a restart takes about a second).
+# Given up, a recorded message would wait out the orphan sweep (workers/orphans.py, 5-7 s), the op with it.
+RECORD_PAUSES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
 
 
 class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
@@ -55,14 +60,22 @@ class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
         entry = messages.entry(message._raw, delivery["exchange"], delivery["routing_key"])
         recorded = messages.record_delivery(self.unacked_index_key, self.unacked_key, queue, delivery_tag, entry, item)
         prereads = PREREADS
-        with self.channel.conn_or_acquire() as client:
-            if prereads is None or (read := prereads.read_for(message)) is None:
-                self.channel.ledger(client).run(recorded)
-            else:
-                request_id, model_id, call = read
-                _, inputs = self.channel.ledger(client).run_then(recorded, call)
-                if not isinstance(inputs, Exception):  # else the op's thread reads for itself
-                    prereads.keep(request_id, model_id, inputs)
+        read = prereads.read_for(message) if prereads is not None else None
+        for pause in (*RECORD_PAUSES, None):
+            try:
+                with self.channel.conn_or_acquire() as client:
+                    if prereads is None or read is None:
+                        self.channel.ledger(client).run(recorded)
+                    else:
+                        request_id, model_id, call = read
+                        _, inputs = self.channel.ledger(client).run_then(recorded, call)
+                        if not isinstance(inputs, Exception):  # else the op's thread reads for itself
+                            prereads.keep(request_id, model_id, inputs)
+                break
+            except (redis.ConnectionError, redis.TimeoutError):
+                if pause is None:
+                    raise  # the broker stays away: the message waits in the handover list or for the orphan sweep
+                time.sleep(pause)
         virtual.QoS.append(self, message, delivery_tag)  # kombu's in-memory bookkeeping, without its own write
 
 
@@ -113,7 +126,7 @@ class HandoverChannel(kombu_redis.Channel):  # type: ignore[misc]
             SyncLedger(client).run(messages.return_handover(queue))
             self._returned = True
         self._in_poll = client.connection
-        self._brpop_sent_at = monotonic()  # type: ignore[assignment]
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
         self._popping = queue
         client.connection.send_command("BLMOVE", queue, messages.handover_key(queue), "RIGHT", "LEFT", timeout or 0)
 

@@ -8,12 +8,14 @@ import threading
 import time
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from tests.private_redis import PrivateRedis
 from twinkle.celery_app import make_celery
+from twinkle.ledger import SyncLedger, scripts
 from twinkle.ledger.messages import UNACKED, UNACKED_INDEX, handover_key, restore_unacked
 from workers.handover import ACKED_BY_FINISH
 
@@ -127,3 +129,25 @@ def test_a_channel_uses_one_redis_client_for_its_commands_until_its_connections_
         channel._disconnect_pools()  # what a fork or a lost connection does: a new pool, a new client
         with channel.conn_or_acquire() as third:
             assert third is not first and third.ping()
+
+
+def test_a_delivery_whose_record_reply_was_lost_is_recorded_again_and_runs_at_once(
+        broker: PrivateRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = redis.Redis.from_url(broker.url)
+    ran: list[str] = []
+    original = SyncLedger.run
+    lost: list[str] = []
+
+    def reply_lost_once(self: SyncLedger, call: Any) -> Any:
+        answer = original(self, call)  # the broker ran it...
+        if call.script == scripts.RECORD_DELIVERY and not lost:
+            lost.append("once")
+            raise redis.ConnectionError("connection lost before the reply")  # ...and the reply never came
+        return answer
+
+    monkeypatch.setattr(SyncLedger, "run", reply_lost_once)
+    celery = app_with_task(broker.url, ran)
+    with consuming(celery):
+        send(celery, "recorded")
+        wait_for(lambda: ran == ["recorded"] and r.hlen(UNACKED) == 0, timeout=4)  # not after an orphan sweep
+    assert lost == ["once"] and r.llen(handover_key(QUEUE)) == 0 and r.llen(QUEUE) == 0
