@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +53,14 @@ def redis_sends() -> Iterator[list[Any]]:
         yield sent
     finally:
         Connection.send_packed_command = original  # type: ignore[method-assign]
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 10) -> None:
+    """Poll `condition` until it holds; fail the test after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
 
 
 def require_redis() -> None:

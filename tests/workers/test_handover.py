@@ -13,6 +13,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+from tests.harness import wait_for
 from tests.private_redis import PrivateRedis
 from twinkle.celery_app import make_celery
 from twinkle.ledger import SyncLedger, scripts
@@ -51,13 +52,6 @@ def send(celery: Celery, name: str) -> None:
 def consuming(celery: Celery) -> Any:
     return start_worker(celery, pool="threads", concurrency=1, queues=[QUEUE], perform_ping_check=False,
                         loglevel="WARNING", shutdown_timeout=10)
-
-
-def wait_for(condition: Any, timeout: float = 10) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_a_message_popped_but_never_recorded_goes_back_to_the_head_and_runs_first(broker: PrivateRedis) -> None:

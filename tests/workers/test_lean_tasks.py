@@ -5,7 +5,6 @@ still goes through Celery's own strategy."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+from tests.harness import wait_for
 from tests.private_redis import PrivateRedis
 from twinkle.celery_app import make_celery
 from twinkle.ledger.messages import UNACKED
@@ -44,13 +44,6 @@ def send(celery: Celery, request_id: str, **options: Any) -> None:
 def consuming(celery: Celery, threads: int = 2) -> Any:
     return start_worker(celery, pool="threads", concurrency=threads, queues=[QUEUE], perform_ping_check=False,
                         loglevel="WARNING", shutdown_timeout=10)
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_an_op_message_reaches_its_runner_with_its_ids_and_tag_and_is_acked_after_it(broker: PrivateRedis) -> None:
