@@ -28,12 +28,6 @@ Command = Sequence[Any]  # str, bytes, int or float arguments, as redis-py takes
 def send_together(r: redis.Redis, commands: Sequence[Command]) -> list[Any]:
     """The replies of `commands`, in order, each with its response callback applied, or the ResponseError
     that command got (the others still ran). Raises on connection errors the client's retries did not cure."""
-    if not _packable(commands):
-        pipe = r.pipeline(transaction=False)  # redis-py refuses what hiredis cannot pack, with its own message
-        for command in commands:
-            pipe.execute_command(*command)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-        return replies
     packed = _packed(commands)
     pool = r.connection_pool
     connection = pool.get_connection()
@@ -48,12 +42,6 @@ def send_together(r: redis.Redis, commands: Sequence[Command]) -> list[Any]:
 async def send_together_async(r: aioredis.Redis, commands: Sequence[Command]) -> list[Any]:
     """`send_together` on an asyncio client. A cancelled exchange drops its connection (redis-py's own reads
     and writes do so), so no reply is left for the next borrower."""
-    if not _packable(commands):
-        pipe = r.pipeline(transaction=False)
-        for command in commands:
-            pipe.execute_command(*command)
-        replies: list[Any] = await pipe.execute(raise_on_error=False)
-        return replies
     packed = _packed(commands)
     pool = r.connection_pool
     connection = await pool.get_connection()
@@ -65,12 +53,17 @@ async def send_together_async(r: aioredis.Redis, commands: Sequence[Command]) ->
     return _decoded(r.response_callbacks, commands, raw)
 
 
-def _packable(commands: Sequence[Command]) -> bool:
-    return not any(isinstance(arg, bool) or arg is None for command in commands for arg in command)
+def evalsha(sha: str, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
+    """The command that runs a loaded script."""
+    return ("EVALSHA", sha, len(keys), *keys, *args)
 
 
 def _packed(commands: Sequence[Command]) -> list[bytes]:
-    return [b"".join(pack_command(tuple(command)) for command in commands)]  # type: ignore[arg-type]
+    try:
+        return [b"".join(pack_command(tuple(command)) for command in commands)]  # type: ignore[arg-type]
+    except TypeError as error:  # None, a bool, any other type: refused as redis-py refuses it
+        raise redis.DataError(f"Invalid input in a Redis command: {error} Convert it to bytes, str, int or float "
+                              "first.") from error
 
 
 def _decoded(callbacks: Any, commands: Sequence[Command], raw: list[Any]) -> list[Any]:

@@ -15,7 +15,7 @@ import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from twinkle.round_trip import send_together
+from twinkle.round_trip import evalsha, send_together
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,7 @@ class ScriptCall:
 def run_together(r: redis.Redis, calls: Sequence[ScriptCall]) -> list[Any]:
     """The replies of `calls`, in order; where one call failed, its error in its place (the others still ran).
     Raises only when the broker cannot be reached at all."""
-    replies = send_together(r, [("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-                                for call in calls])
+    replies = send_together(r, [evalsha(call.script.sha, call.keys, call.args) for call in calls])
     for index, (call, reply) in enumerate(zip(calls, replies, strict=True)):
         if isinstance(reply, NoScriptError):
             try:

@@ -48,3 +48,16 @@ def task_message(celery: Celery, op: str, request_id: str, model_id: str, queue:
         "headers": task.headers,
         "properties": properties,
     })
+
+
+def op_ids(message: Any) -> tuple[str, str] | None:
+    """The request and model ids a kombu message built by `task_message` carries in its kwargs; None for any
+    other body (kombu keeps the decoded body, so asking again costs nothing)."""
+    try:
+        args, kwargs, _ = message.decode()
+        request_id, model_id = kwargs["request_id"], kwargs.get("model_id") or ""
+    except (ValueError, TypeError, KeyError):
+        return None
+    if args or not isinstance(request_id, str) or not isinstance(model_id, str):
+        return None
+    return request_id, model_id

@@ -64,9 +64,10 @@ class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
         for pause in (*RECORD_PAUSES, None):
             try:
                 with self.channel.conn_or_acquire() as client:
-                    if prereads is None or read is None:
+                    if read is None:
                         self.channel.ledger(client).run(recorded)
                     else:
+                        assert prereads is not None, "a read comes from the prereads"
                         request_id, model_id, call = read
                         _, inputs = self.channel.ledger(client).run_then(recorded, call)
                         if not isinstance(inputs, Exception):  # else the op's thread reads for itself

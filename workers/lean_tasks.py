@@ -26,6 +26,8 @@ from typing import Any
 
 from celery.worker.strategy import default
 
+from twinkle.task_message import op_ids
+
 log = logging.getLogger("twinkle.worker")
 
 # request_id, model_id, delivery tag
@@ -100,11 +102,4 @@ def _ids(message: Any, body: Any, revoked: Any) -> tuple[str, str] | None:
         return None
     if headers.get("id") in revoked:
         return None
-    try:
-        args, kwargs, _ = message.decode()
-        request_id, model_id = kwargs["request_id"], kwargs.get("model_id") or ""
-    except (ValueError, TypeError, KeyError):
-        return None
-    if args or not isinstance(request_id, str) or not isinstance(model_id, str):
-        return None
-    return request_id, model_id
+    return op_ids(message)

@@ -181,7 +181,7 @@ def sampler_threads(app: SamplerApp) -> int:
     return max(sampler_slots(app), app.args.scheduling.window)
 
 
-def _held_task_ids(runtime: PoolRuntime, lean: LeanTasks | None = None) -> set[str]:
+def _held_task_ids(runtime: PoolRuntime, lean: LeanTasks | None) -> set[str]:
     from celery.worker import state
 
     held = {str(task_id) for task_id in list(state.requests)} | (lean.held() if lean is not None else set())

@@ -20,6 +20,7 @@ from twinkle.ledger import lifecycle
 from twinkle.ledger.call import Call
 from twinkle.ledger.lifecycle import RunInputs
 from twinkle.recent import Recent
+from twinkle.task_message import op_ids
 
 # Far above a pool's window of held ops: reads that no thread took (a message Celery refused) age out here.
 LIMIT = 4096
@@ -34,11 +35,10 @@ class Prereads:
     def read_for(self, message: Any) -> tuple[str, str, Call[RunInputs]] | None:
         """The request id, the model id and the read for a Twinkle task's message; None for any other message.
         kombu keeps the decoded body, so Celery does not decode it again."""
-        try:
-            _, kwargs, _ = message.decode()
-            request_id, model_id = str(kwargs["request_id"]), str(kwargs.get("model_id") or "")
-        except (ValueError, TypeError, KeyError):
+        ids = op_ids(message)
+        if ids is None:
             return None
+        request_id, model_id = ids
         return request_id, model_id, lifecycle.read_for_run(self.keys, request_id, model_id)
 
     def keep(self, request_id: str, model_id: str, inputs: RunInputs) -> None:

@@ -88,3 +88,11 @@ def test_the_asyncio_client_rides_out_a_lost_connection_too(broker: PrivateRedis
             await r.aclose()
 
     assert asyncio.run(after_kill()) == [2]
+
+
+def test_an_argument_redis_cannot_take_is_refused_before_anything_is_sent(broker: PrivateRedis) -> None:
+    r = redis.Redis.from_url(broker.url)
+    for bad in (None, True):
+        with pytest.raises(redis.DataError):
+            send_together(r, [("SET", "k", "1"), ("SET", "k", bad)])
+    assert r.get("k") is None

@@ -9,7 +9,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from twinkle.ledger.call import Call
-from twinkle.round_trip import send_together_async
+from twinkle.round_trip import evalsha, send_together_async
 
 T = TypeVar("T")
 
@@ -24,8 +24,7 @@ class AsyncLedger:
         together (in MULTI/EXEC for an atomic call)."""
         if call.script:
             script = self._registered(call.script)
-            [reply] = await send_together_async(self.r, [("EVALSHA", script.sha, len(call.keys), *call.keys,
-                                                          *call.args)])
+            [reply] = await send_together_async(self.r, [evalsha(script.sha, call.keys, call.args)])
             if isinstance(reply, NoScriptError):  # a broker that never ran it, or restarted: this loads it
                 reply = await script(keys=call.keys, args=call.args)
             elif isinstance(reply, Exception):

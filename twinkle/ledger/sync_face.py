@@ -10,7 +10,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from twinkle.ledger.call import Call
-from twinkle.round_trip import send_together
+from twinkle.round_trip import evalsha, send_together
 from twinkle.script_batch import ScriptCall, run_together
 
 T = TypeVar("T")
@@ -26,11 +26,8 @@ class SyncLedger:
         """One round trip: the script (EVALSHA, loaded once when the server lacks it), or the commands sent
         together (in MULTI/EXEC for an atomic call)."""
         if call.script:
-            script = self._registered(call.script)
-            [reply] = send_together(self.r, [_evalsha(script, call)])
-            if isinstance(reply, NoScriptError):  # a broker that never ran it, or restarted: this loads it
-                reply = script(keys=call.keys, args=call.args)
-            elif isinstance(reply, Exception):
+            [reply] = run_together(self.r, [self._script_call(call)])  # a script the broker lacks is loaded
+            if isinstance(reply, Exception):
                 raise reply
             return call.decode(reply)
         if not call.atomic:
@@ -49,7 +46,7 @@ class SyncLedger:
         script wrote). The script's answer, and `then`'s or the error it got; raises the script's error."""
         script = self._registered(call.script)
         assert not then.script and not then.atomic, "only plain commands go after a script"
-        first, *rest = send_together(self.r, [_evalsha(script, call), *then.commands])
+        first, *rest = send_together(self.r, [evalsha(script.sha, call.keys, call.args), *then.commands])
         if isinstance(first, NoScriptError):  # a restarted broker forgot it: run on its own, which loads it
             first = script(keys=call.keys, args=call.args)
         elif isinstance(first, Exception):
@@ -77,7 +74,3 @@ class SyncLedger:
         if registered is None:
             registered = self._scripts[source] = self.r.register_script(source)
         return registered
-
-
-def _evalsha(script: Script, call: Call[Any]) -> tuple[Any, ...]:
-    return ("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
