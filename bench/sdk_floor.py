@@ -503,6 +503,25 @@ def merged(rounds: list[Figures]) -> Figures:
 # -- the per-op trace ---------------------------------------------------------------------------------------
 
 
+def sdk_polls() -> dict[str, tuple[float, float]]:
+    """From now on, when the SDK sent each future's latest `retrieve_future` and when its answer arrived, by request
+    id (a wrapper around the SDK's private fetch: this benchmark's trace only). A negative "sent, after finished"
+    is a poll that waited parked for the op to finish."""
+    from tinker.lib import api_future_impl
+
+    polls: dict[str, tuple[float, float]] = {}
+    fetch = api_future_impl._APIFuture._fetch_via_rest
+
+    async def timed(self: Any, state: Any, iteration: int) -> Any:
+        sent = time.time()
+        outcome = await fetch(self, state, iteration)
+        polls[self.request_id] = (sent, time.time())
+        return outcome
+
+    api_future_impl._APIFuture._fetch_via_rest = timed  # type: ignore[method-assign]
+    return polls
+
+
 def trace(target: Target, server: TwinkleServer, n: int) -> None:
     """Where a Twinkle step's time goes, op by op: the SDK's clock next to the future records' own times (the API
     accepted it, the pool worker began and finished it), one machine, one clock. The step's two ops are its
@@ -520,6 +539,7 @@ def trace(target: Target, server: TwinkleServer, n: int) -> None:
     def add(name: str, seconds: float) -> None:
         stages.setdefault(name, []).append(seconds * 1000)
 
+    polls = sdk_polls()
     for _ in range(n):
         t0 = time.time()
         fb = target.trainer.forward_backward(target.batch, "cross_entropy")
@@ -545,6 +565,12 @@ def trace(target: Target, server: TwinkleServer, n: int) -> None:
         add("optim: accepted -> worker began", o["started_at"] - o["created_at"])
         add("optim: worker ran it", o["finished_at"] - o["started_at"])
         add("optim: worker finished -> SDK result", t_end - o["finished_at"])
+        for op, record, t_result, rid in (("fb", f, t_fb, ids[0]), ("optim", o, t_end, ids[1])):
+            if rid in polls:
+                sent, answered = polls[rid]
+                add(f"{op}: answering poll sent, after finished", sent - record["finished_at"])
+                add(f"{op}: its answer at the SDK, after finished", answered - record["finished_at"])
+                add(f"{op}: answer at the SDK -> SDK result", t_result - answered)
     count = len(stages.get("step, as the SDK waits", []))
     print(f"\nTwinkle step, op by op (median of {count} steps):")
     for name, ms in stages.items():

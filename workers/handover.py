@@ -50,6 +50,11 @@ class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
         else:
             virtual.QoS.ack(self, delivery_tag)
 
+    def in_hand(self) -> int:
+        """Messages delivered and not yet acked, as `can_consume` counts them against the prefetch limit. Read off
+        the consumer's thread it may count one message twice while the consumer flushes its acks, never too few."""
+        return len(self._delivered) - len(self._dirty)
+
     def append(self, message: Any, delivery_tag: str) -> None:
         handing = self.channel.handing
         if handing is None:
@@ -57,7 +62,7 @@ class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
             return
         queue, item = handing
         delivery = message.delivery_info
-        entry = messages.entry(message._raw, delivery["exchange"], delivery["routing_key"])
+        entry = messages.entry(item, delivery["exchange"], delivery["routing_key"])
         recorded = messages.record_delivery(self.unacked_index_key, self.unacked_key, queue, delivery_tag, entry, item)
         prereads = PREREADS
         read = prereads.read_for(message) if prereads is not None else None

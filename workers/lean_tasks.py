@@ -13,8 +13,14 @@ twinkle/telemetry/celery_tracing.py), or launched with `-v` (Celery's per-task l
 without this strategy, and a message this strategy does not expect (an ETA, an expiry, a revoked id, any other
 body) goes to Celery's own.
 
-Everything else is unchanged: the consumer, kombu's transport and prefetch, the threads (`-c`), warm shutdown
-(the pool's executor finishes what it holds), and an ack that goes through the consumer's event loop.
+The ack itself is made in the op's thread, as the same `ack_log_error` call Celery's promise would make in the
+consumer's event loop: sent there, each op woke the loop once more only to mark its message acked in memory (its
+finish already acknowledged it in the broker), a turn of the loop per op. The loop is woken only when it may have
+stopped fetching at its prefetch limit (`_ack_here`), and Celery's own promise still acks while Celery restores its
+prefetch count after a reconnect, which it does one ack at a time through that promise.
+
+Everything else is unchanged: the consumer, kombu's transport and prefetch, the threads (`-c`), and warm
+shutdown (the pool's executor finishes what it holds).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 from celery.worker.strategy import default
 
 from twinkle.task_message import op_ids
+from workers.handover import HandoverQoS
 
 log = logging.getLogger("twinkle.worker")
 
@@ -41,6 +48,7 @@ class LeanTasks:
         self.received = received  # told of each message in delivery order, before its thread starts
         self._held: set[str] = set()
         self._lock = threading.Lock()
+        self._acking = threading.Lock()  # one ack at a time: exactly the one that frees a slot at the limit wakes
         self.runners: dict[str, OpRunner] = {}  # by task name
 
     @staticmethod
@@ -72,8 +80,15 @@ class LeanTasks:
             if self.received is not None:
                 self.received(request_id, model_id)
             tag = str(message.properties.get("delivery_tag", ""))
+            qos = getattr(message.channel, "qos", None)
+            if isinstance(qos, HandoverQoS) and consumer.hub is not None and not _restoring_prefetch(consumer):
+                def acked() -> None:
+                    self._ack_here(message, qos, errors, consumer.hub)
+            else:
+                def acked() -> None:
+                    ack(log, errors)
             try:
-                submit(self._run, run, request_id, model_id, tag, lambda: ack(log, errors))
+                submit(self._run, run, request_id, model_id, tag, acked)
             except RuntimeError:  # the pool is shutting down: the message stays unacked and is put back
                 with self._lock:
                     self._held.discard(request_id)
@@ -92,6 +107,27 @@ class LeanTasks:
             with self._lock:
                 self._held.discard(request_id)
             ack()
+
+    def _ack_here(self, message: Any, qos: HandoverQoS, errors: Any, hub: Any) -> None:
+        """Ack in this thread. The consumer stops fetching while its messages in hand reach the prefetch limit and
+        looks again only when its loop turns, so the ack that frees a slot at the limit wakes it; counting, the ack
+        can only overcount (HandoverQoS.in_hand), so a doubtful count wakes it too."""
+        with self._acking:
+            message.ack_log_error(log, errors)
+            limit = qos.prefetch_count
+            at_limit = bool(limit) and qos.in_hand() >= limit - 1
+        if at_limit:
+            hub.call_soon(_look_again)
+
+
+def _look_again() -> None:
+    """A turn of the consumer's loop, in which it checks its prefetch limit and fetches again."""
+
+
+def _restoring_prefetch(consumer: Any) -> bool:
+    """Whether Celery is restoring its prefetch count after a reconnect, which it does one ack at a time through
+    its ack promise (`Consumer.create_task_handler`). Where Celery no longer says, assume so."""
+    return getattr(consumer, "restart_count", 1) > 0 and not getattr(consumer, "_maximum_prefetch_restored", False)
 
 
 def _ids(message: Any, body: Any, revoked: Any) -> tuple[str, str] | None:

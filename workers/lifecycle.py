@@ -35,36 +35,44 @@ class AdapterReaper:
         self.max_lifetime = max_lifetime
         self.interval = interval
 
-    def expiry_reason(self, model: ModelRecord, now: float) -> str | None:
+    def expiry_reason(self, model: ModelRecord, now: float, last_heartbeat: float = 0.0) -> str | None:
         if self.max_lifetime > 0 and now - model.created_at > self.max_lifetime:
             return f"it reached the maximum adapter lifetime of {self.max_lifetime:g} s"
         if self.adapter_timeout <= 0:
             return None
-        raw = self.r.hget(self.keys.session(model.session_id), "last_heartbeat")
-        last_seen = max(float(raw or 0), model.last_request_at, model.created_at)
+        last_seen = max(last_heartbeat, model.last_request_at, model.created_at)
         if now - last_seen > self.adapter_timeout:
             return f"its session sent no heartbeat or request for {self.adapter_timeout:g} s"
         return None
 
     def sweep(self) -> list[str]:
+        """One pass over the resident adapters: two pipelined reads however many there are (a pool holds up to
+        `max_loras`, and a read each, every second, was a steady cost of its own), then the removals."""
         now = time.time()
+        adapter_ids = self.adapter_ids()
+        reads = self.r.pipeline(transaction=False)
+        for adapter_id in adapter_ids:
+            reads.hgetall(self.keys.model(adapter_id))
+        records = reads.execute() if adapter_ids else []
+        active = {adapter_id: ModelRecord.from_hash(raw) for adapter_id, raw in zip(adapter_ids, records, strict=True)
+                  if raw}
+        heartbeats = self._heartbeats([model for model in active.values() if model.status == "active"])
         expired = []
-        for adapter_id in self.adapter_ids():
-            raw = self.r.hgetall(self.keys.model(adapter_id))
-            if not raw:  # the broker lost its state (restart without persistence): nobody can reach it
+        for adapter_id in adapter_ids:
+            model = active.get(adapter_id)
+            if model is None:  # the broker lost its state (restart without persistence): nobody can reach it
                 with self.lock:
                     self.remove(adapter_id)
                 expired.append(adapter_id)
                 log.warning("unloaded adapter %s: its record is gone from the broker", adapter_id)
                 continue
-            model = ModelRecord.from_hash(raw)
             if model.status != "active":  # released by the API (session finished, unloaded): free it now
                 with self.lock:
                     self.remove(adapter_id)
                 expired.append(adapter_id)
                 log.info("dropped adapter %s: %s", adapter_id, model.unload_reason or "unloaded")
                 continue
-            reason = self.expiry_reason(model, now)
+            reason = self.expiry_reason(model, now, heartbeats.get(model.session_id, 0.0))
             if reason is None:
                 continue
             with self.lock:
@@ -73,6 +81,16 @@ class AdapterReaper:
             expired.append(adapter_id)
             log.info("unloaded adapter %s: %s", adapter_id, reason)
         return expired
+
+    def _heartbeats(self, models: list[ModelRecord]) -> dict[str, float]:
+        """The last heartbeat of each of these adapters' sessions (0 when none), in one round trip."""
+        if self.adapter_timeout <= 0 or not models:
+            return {}
+        sessions = sorted({model.session_id for model in models})
+        reads = self.r.pipeline(transaction=False)
+        for session_id in sessions:
+            reads.hget(self.keys.session(session_id), "last_heartbeat")
+        return {session_id: float(raw or 0) for session_id, raw in zip(sessions, reads.execute(), strict=True)}
 
     def release(self, model: ModelRecord, reason: str) -> None:
         pipe = self.r.pipeline()

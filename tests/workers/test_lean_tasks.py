@@ -5,9 +5,11 @@ still goes through Celery's own strategy."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
@@ -16,6 +18,7 @@ from tests.harness import wait_for
 from tests.private_redis import PrivateRedis
 from twinkle.celery_app import make_celery
 from twinkle.ledger.messages import UNACKED
+from workers.handover import HandoverQoS
 from workers.lean_tasks import LeanTasks
 
 QUEUE = "model.lean-test.0"
@@ -63,6 +66,41 @@ def test_an_op_message_reaches_its_runner_with_its_ids_and_tag_and_is_acked_afte
     assert all(len(tag) == 36 for *_, tag, _ in ran)  # kombu's delivery tag, which a finish acknowledges
     assert all(unacked >= 1 for *_, unacked in ran)  # its message stayed unacked while it ran
     assert by_celery == [] and lean.held() == set()
+
+
+def test_an_op_message_is_acked_in_the_ops_own_thread_without_a_turn_of_the_consumers_loop(
+        broker: PrivateRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    acked_in: list[int] = []
+    ran_in: list[int] = []
+    ack = HandoverQoS.ack
+
+    def recorded(qos: HandoverQoS, delivery_tag: str) -> None:
+        acked_in.append(threading.get_ident())
+        ack(qos, delivery_tag)
+
+    monkeypatch.setattr(HandoverQoS, "ack", recorded)
+    celery = pool_app(broker.url, LeanTasks(), lambda *_: ran_in.append(threading.get_ident()), [])
+    with consuming(celery):
+        send(celery, "op-1")
+        send(celery, "op-2")
+        wait_for(lambda: len(acked_in) == 2)
+    assert sorted(acked_in) == sorted(ran_in)
+
+
+def test_a_consumer_stopped_at_its_prefetch_limit_fetches_again_as_soon_as_an_ack_frees_a_slot(
+        broker: PrivateRedis) -> None:
+    ran: list[str] = []
+    celery = pool_app(broker.url, LeanTasks(), lambda rid, *_: ran.append(rid), [])
+    celery.conf.worker_prefetch_multiplier = 1  # one thread, one message in hand: every ack frees the only slot
+    ops = [f"op-{i}" for i in range(6)]
+    with consuming(celery, threads=1):
+        started = time.monotonic()
+        for rid in ops:
+            send(celery, rid)
+        wait_for(lambda: len(ran) == len(ops))
+        # Unwoken, the consumer would look again only at its next timer, about a second per op.
+        assert time.monotonic() - started < 3
+    assert ran == ops
 
 
 def test_the_ids_of_messages_in_hand_are_held_until_their_ack(broker: PrivateRedis) -> None:

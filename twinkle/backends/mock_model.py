@@ -149,7 +149,9 @@ def class_rows(base: BigramBase, classes: np.ndarray) -> list[slice]:
     """Rows of B holding the class logits plus the token blocks of `classes` (a bool mask [C]), as
     contiguous runs. The optimizer touches only these: every other row of B is zero in the weights,
     gradients and moments alike, and stays zero under AdamW."""
-    edges = np.flatnonzero(np.diff(np.r_[0, classes.astype(np.int8), 0])).reshape(-1, 2)
+    padded = np.zeros(len(classes) + 2, np.int8)  # np.r_ would do, at several times the cost of the diff itself
+    padded[1:-1] = classes
+    edges = np.flatnonzero(np.diff(padded)).reshape(-1, 2)
     runs = [slice(base.block(int(start)).start, base.block(int(stop) - 1).stop) for start, stop in edges]
     if runs and runs[0].start == base.num_classes:
         return [slice(0, runs[0].stop), *runs[1:]]
@@ -206,8 +208,8 @@ def target_logprobs(
 
     order = np.argsort(target_class, kind="stable")
     sorted_class = target_class[order]
-    starts = np.flatnonzero(np.r_[True, sorted_class[1:] != sorted_class[:-1]]) if len(order) else order
-    group_starts = np.r_[starts, len(order)]
+    # where the class changes, plus both ends (class ids are >= 0, so -1 differs from every neighbour)
+    group_starts = np.flatnonzero(np.diff(sorted_class, prepend=-1, append=-1)) if len(order) else np.zeros(1, np.intp)
     sorted_hidden, sorted_low = hidden[order], (None if low_rank is None else low_rank[order])
     token_logits = np.empty((len(order), base.class_size), hidden.dtype)
     for start, stop in itertools.pairwise(group_starts):

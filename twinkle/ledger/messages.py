@@ -64,9 +64,12 @@ class Sighting:
     beat: dict[str, Any]  # the pool's heartbeat ({} when none): it names the ops its worker holds
 
 
-def entry(message: Any, exchange: str, routing_key: str) -> str:
-    """The unacked entry of a delivered message, in kombu's JSON as its own bookkeeping writes it."""
-    return str(dumps([message, exchange, routing_key]))
+def entry(message: bytes | str, exchange: str, routing_key: str) -> str:
+    """The unacked entry of a delivered message (`message`: its JSON as the queue held it), in kombu's JSON as
+    its own bookkeeping writes it. The message goes in as it came rather than decoded and encoded again, a second
+    encoding per op of the whole message; kombu's encoder wrote it, so the bytes are the same."""
+    text = message.decode() if isinstance(message, bytes) else message
+    return f"[{text}, {dumps(exchange)}, {dumps(routing_key)}]"
 
 
 # -- request ids out of messages, read on the Redis server --------------------------------------------------

@@ -438,7 +438,7 @@ async def test_a_save_is_reserved_below_the_cap_refused_at_it_and_stops_counting
 def deliver(r: redis.Redis, rid: str, queue: str, *, age: float = 0.0) -> str:
     """An unacked entry the way kombu writes one for a delivered message; returns its tag."""
     tag = uuid.uuid4().hex
-    r.hset(UNACKED, tag, messages.entry({"body": "e30=", "headers": {"id": rid}}, "", queue))
+    r.hset(UNACKED, tag, messages.entry(json.dumps({"body": "e30=", "headers": {"id": rid}}), "", queue))
     r.zadd(UNACKED_INDEX, {tag: time.time() - age})
     return tag
 
@@ -523,7 +523,7 @@ async def test_a_delivery_is_recorded_from_the_handover_list_and_what_was_never_
         broker_face: Face) -> None:
     face = broker_face
     face.r.lpush(handover_key("model.a.0"), b"first", b"second")
-    entry = messages.entry({"headers": {"id": "r1"}}, "", "model.a.0")
+    entry = messages.entry(json.dumps({"headers": {"id": "r1"}}), "", "model.a.0")
     await face.run(messages.record_delivery(UNACKED_INDEX, UNACKED, "model.a.0", "tag-1", entry, b"second"))
     assert face.r.hget(UNACKED, "tag-1") == entry.encode() and face.r.zscore(UNACKED_INDEX, "tag-1") is not None
     assert face.r.lrange(handover_key("model.a.0"), 0, -1) == [b"first"]
