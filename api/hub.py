@@ -141,7 +141,7 @@ class FutureHub:
                 await pubsub.psubscribe(self._pattern)
                 await self._confirmed(pubsub)
                 while True:
-                    message = await pubsub.get_message(timeout=None)  # blocks without a timer per message
+                    message = await pubsub.get_message(timeout=1.0)
                     if message is None:
                         continue
                     if message.get("type") == "psubscribe":  # redis-py resubscribed on its own
