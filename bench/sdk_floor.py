@@ -18,7 +18,9 @@ floor, Twinkle, ...), so the host's drift falls on both:
 - aggregate steps/s of 16 training clients (one ServiceClient each) stepping in 16 threads;
 - sample: one sampling client, 16 tokens, p50 / p99;
 
-then the ratios Twinkle / floor per round and over all rounds. Every figure comes with its errors (a call that
+then the ratios Twinkle / floor per round and over all rounds. Before round 1 each server's 16 clients step for
+`--warmup` seconds, not counted: without it the floor's first round was cold (its 16 clients 176-178 steps/s
+against 194-197 in later rounds), which flattered Twinkle's first ratio. Every figure comes with its errors (a call that
 raised), timeouts (a result later than `--timeout`) and the non-2xx answers the server gave (Twinkle's access
 log, which writes every status >= 400 even at WARNING; the stand-in counts its own).
 
@@ -585,6 +587,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--samples", type=int, default=200, help="timed samples per round")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a result may take")
+    parser.add_argument("--warmup", type=float, default=5.0,
+                        help="seconds each server's 16 clients step before round 1, not counted")
     parser.add_argument("--trace", type=int, default=0, help="Twinkle steps to follow op by op at the end")
     parser.add_argument("--only", choices=("floor", "twinkle"), help="measure one server (profiling)")
     parser.add_argument("--stand-in", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -612,6 +616,11 @@ def main() -> None:
                                       CpuMeter(psutil.Process(twinkle.proc.pid)))
             print(f"SDK 0.38 against the stand-in floor and Twinkle (mock backend); {DATUMS} x {TOKENS} tokens per "
                   f"forward_backward; load average {os.getloadavg()[0]:.2f} at start", flush=True)
+            for name, (target, _, cpu) in targets.items() if ns.warmup > 0 else ():
+                warm = Counts()
+                rate, _ = aggregate(target, ns.warmup, warm, cpu)
+                print(f"  warm-up  {name:<8} 16 clients {rate:6.1f} steps/s for {ns.warmup:g} s, not counted"
+                      f" | errors {warm.errors}, timeouts {warm.timeouts}", flush=True)
             results: dict[str, list[Figures]] = {name: [] for name in targets}
             for index in range(ns.rounds):
                 print(f"round {index + 1}", flush=True)
