@@ -67,7 +67,8 @@ class Sighting:
 def entry(message: bytes | str, exchange: str, routing_key: str) -> str:
     """The unacked entry of a delivered message (`message`: its JSON as the queue held it), in kombu's JSON as
     its own bookkeeping writes it. The message goes in as it came rather than decoded and encoded again, a second
-    encoding per op of the whole message; kombu's encoder wrote it, so the bytes are the same."""
+    encoding per op of the whole message: kombu's producer and `twinkle.task_message` both write JSON with the
+    encoder's default separators, so the bytes are those a second encoding would give."""
     text = message.decode() if isinstance(message, bytes) else message
     return f"[{text}, {dumps(exchange)}, {dumps(routing_key)}]"
 
