@@ -53,6 +53,14 @@ async def send_together_async(r: aioredis.Redis, commands: Sequence[Command]) ->
     return _decoded(r.response_callbacks, commands, raw)
 
 
+def checked(replies: list[Any]) -> list[Any]:
+    """`replies` as they are, or the first error among them raised."""
+    failed = next((reply for reply in replies if isinstance(reply, Exception)), None)
+    if failed is not None:
+        raise failed
+    return replies
+
+
 def evalsha(sha: str, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
     """The command that runs a loaded script."""
     return ("EVALSHA", sha, len(keys), *keys, *args)

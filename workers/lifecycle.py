@@ -53,13 +53,13 @@ class AdapterReaper:
         reads = self.r.pipeline(transaction=False)
         for adapter_id in adapter_ids:
             reads.hgetall(self.keys.model(adapter_id))
-        records = reads.execute() if adapter_ids else []
-        active = {adapter_id: ModelRecord.from_hash(raw) for adapter_id, raw in zip(adapter_ids, records, strict=True)
+        hashes = reads.execute() if adapter_ids else []
+        models = {adapter_id: ModelRecord.from_hash(raw) for adapter_id, raw in zip(adapter_ids, hashes, strict=True)
                   if raw}
-        heartbeats = self._heartbeats([model for model in active.values() if model.status == "active"])
+        heartbeats = self._heartbeats([model for model in models.values() if model.status == "active"])
         expired = []
         for adapter_id in adapter_ids:
-            model = active.get(adapter_id)
+            model = models.get(adapter_id)
             if model is None:  # the broker lost its state (restart without persistence): nobody can reach it
                 with self.lock:
                     self.remove(adapter_id)

@@ -9,7 +9,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from twinkle.ledger.call import Call
-from twinkle.round_trip import evalsha, send_together_async
+from twinkle.round_trip import checked, evalsha, send_together_async
 
 T = TypeVar("T")
 
@@ -31,11 +31,7 @@ class AsyncLedger:
                 raise reply
             return call.decode(reply)
         if not call.atomic:
-            replies = await send_together_async(self.r, call.commands)
-            failed = next((reply for reply in replies if isinstance(reply, Exception)), None)
-            if failed is not None:
-                raise failed
-            return call.decode(replies)
+            return call.decode(checked(await send_together_async(self.r, call.commands)))
         pipe = self.r.pipeline(transaction=True)
         for command in call.commands:
             pipe.execute_command(*command)

@@ -10,7 +10,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from twinkle.ledger.call import Call
-from twinkle.round_trip import evalsha, send_together
+from twinkle.round_trip import checked, evalsha, send_together
 from twinkle.script_batch import ScriptCall, run_together
 
 T = TypeVar("T")
@@ -26,16 +26,10 @@ class SyncLedger:
         """One round trip: the script (EVALSHA, loaded once when the server lacks it), or the commands sent
         together (in MULTI/EXEC for an atomic call)."""
         if call.script:
-            [reply] = run_together(self.r, [self._script_call(call)])  # a script the broker lacks is loaded
-            if isinstance(reply, Exception):
-                raise reply
+            [reply] = checked(run_together(self.r, [self._script_call(call)]))  # a missing script is loaded
             return call.decode(reply)
         if not call.atomic:
-            replies = send_together(self.r, call.commands)
-            failed = next((reply for reply in replies if isinstance(reply, Exception)), None)
-            if failed is not None:
-                raise failed
-            return call.decode(replies)
+            return call.decode(checked(send_together(self.r, call.commands)))
         pipe = self.r.pipeline(transaction=True)
         for command in call.commands:
             pipe.execute_command(*command)
