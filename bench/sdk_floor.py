@@ -1,6 +1,7 @@
 """The Tinker SDK path against its floor: Twinkle (mock backend) next to a stand-in server that answers at once.
 
     python bench/sdk_floor.py [--rounds 2] [--steps 200] [--seconds 10] [--samples 200] [--trace 200]
+                              [--burdened 1,0.85,0.7,0.5]
 
 The real Tinker SDK (0.38) costs time of its own: its background event loop, pydantic models, protobuf,
 the per-call turn it takes, and four HTTP requests per training step (forward_backward and optim_step, then a
@@ -35,6 +36,14 @@ theirs, and the rest is what the server may spend.
 record's own (accepted by the API, begun and finished by the pool worker), read from the launch's embedded
 broker, and prints the median of each stage.
 
+`--burdened SCALES` asks how much of Twinkle's distance from the floor is its CPU and how much its hops (the
+queue, the worker's delivery, the hand-backs): after the rounds, for each scale a stand-in is started that spends
+its own CPU plus that scale times what Twinkle's server spent beyond it a step in the 16-client windows (the API's
+excess spun in the stand-in's event loop on each request, the worker's, broker's and launcher's in a burner
+process on each forward_backward and optim_step, whose future resolves when the burner is done), and its step and
+16-client rate are measured as the floor's are. At scale 1 it costs what Twinkle costs with none of its hops; the
+scale at which it reaches 0.8x is the server CPU a step the target needs on these cores.
+
 Targets on the 2-core machine, in the same run: step p50 <= 1.6x the floor, 16-client steps/s >= 0.8x the
 floor, sample p50 <= 2x the floor, 0 errors.
 """
@@ -42,6 +51,7 @@ floor, sample p50 <= 2x the floor, 0 errors.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -87,14 +97,65 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 PROTOBUF = "application/x-protobuf"
 
 
-class StandIn:
-    """The floor: a Tinker server whose every future is resolved when it is accepted, kept in a dict."""
+@dataclass
+class Burden:
+    """CPU a burdened stand-in spends like a server with a queue and a worker: `request_ms` in its event loop on
+    every request, and `op_ms` in a separate burner process on each forward_backward and optim_step, whose future
+    resolves only when the burner is done (a `retrieve_future` before then waits, as a long-poll does)."""
 
-    def __init__(self) -> None:
+    request_ms: float
+    op_ms: float
+
+    def args(self) -> list[str]:
+        return ["--burden", f"{self.request_ms:.4f}", f"{self.op_ms:.4f}"]
+
+
+def spin(ms: float) -> None:
+    """Spend `ms` of this thread's CPU time (not wall time: a preempted spin still costs what it says)."""
+    end = time.thread_time() + ms / 1000
+    while time.thread_time() < end:
+        pass
+
+
+def burn_forever() -> None:
+    """The burner process: for each line `request_id ms` on stdin, spin `ms` and answer the request id."""
+    for text in sys.stdin:
+        request_id, ms = text.split()
+        spin(float(ms))
+        sys.stdout.write(request_id + "\n")
+        sys.stdout.flush()
+
+
+class StandIn:
+    """The floor: a Tinker server whose every future is resolved when it is accepted, kept in a dict. With a
+    `Burden`, its training ops resolve when the burner has spent their CPU."""
+
+    def __init__(self, burden: Burden | None = None) -> None:
         self.results: dict[str, Any] = {}
         self.counter = 0
         self.non_2xx = 0
         self.requests = 0
+        self.burden = burden
+        self.burning: dict[str, asyncio.Future[None]] = {}
+
+    async def _start_burner(self) -> None:
+        self.burner = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--burner", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        self._burnt = asyncio.create_task(self._read_burnt())
+
+    async def _read_burnt(self) -> None:
+        assert self.burner.stdout is not None
+        async for text in self.burner.stdout:
+            done = self.burning.pop(text.decode().strip(), None)
+            if done is not None:
+                done.set_result(None)
+
+    def _burn(self, reply: dict[str, Any]) -> dict[str, Any]:
+        if self.burden is not None:
+            assert self.burner.stdin is not None
+            self.burning[reply["request_id"]] = asyncio.get_running_loop().create_future()
+            self.burner.stdin.write(f"{reply['request_id']} {self.burden.op_ms}\n".encode())
+        return reply
 
     def _future(self, result: Any, **extra: Any) -> dict[str, Any]:
         self.counter += 1
@@ -106,6 +167,8 @@ class StandIn:
         if scope["type"] == "lifespan":
             while True:
                 kind = (await receive())["type"]
+                if kind == "lifespan.startup" and self.burden is not None:
+                    await self._start_burner()
                 await send({"type": kind + ".complete"})
                 if kind == "lifespan.shutdown":
                     return
@@ -117,6 +180,12 @@ class StandIn:
                 break
         headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
         self.requests += 1
+        if self.burden is not None:
+            spin(self.burden.request_ms)
+            if scope["path"].endswith("/retrieve_future"):
+                burning = self.burning.get(json.loads(body)["request_id"])
+                if burning is not None:
+                    await burning
         try:
             status, payload, media_type = self.answer(scope["method"], scope["path"], body, headers)
         except Exception as exc:  # noqa: BLE001 - a stand-in bug shows as a 500 the benchmark counts
@@ -158,8 +227,8 @@ class StandIn:
             return {"type": "get_info", "model_id": body["model_id"], "model_data": {"model_name": BASE_MODEL},
                     "is_lora": True, "lora_rank": 8, "model_name": BASE_MODEL}
         if route == "/optim_step":
-            return self._future({"type": "optim_step", "metrics": {"grad_norm:mean": 0.0}},
-                                model_id=body["model_id"])
+            return self._burn(self._future({"type": "optim_step", "metrics": {"grad_norm:mean": 0.0}},
+                                           model_id=body["model_id"]))
         if route == "/create_sampling_session":
             return {"type": "create_sampling_session",
                     "sampling_session_id": f"{body['session_id']}:sample:{body.get('sampling_session_seq_id', 0)}"}
@@ -180,7 +249,7 @@ class StandIn:
             outputs.append({"logprobs": np.full(shape, -1.0, np.float32),
                             "elementwise_loss": np.ones(shape, np.float32)})
         result = ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": float(len(batch.data))})
-        return json.dumps(self._future(result, model_id=meta.model_id)).encode()
+        return json.dumps(self._burn(self._future(result, model_id=meta.model_id))).encode()
 
     def sample(self, body: dict[str, Any]) -> dict[str, Any]:
         max_tokens = int((body.get("sampling_params") or {}).get("max_tokens") or 16)
@@ -202,20 +271,23 @@ class StandIn:
         return 200, json.dumps(result).encode(), "application/json"
 
 
-def serve_stand_in(port: int) -> None:
+def serve_stand_in(port: int, burden: Burden | None) -> None:
     import uvicorn
 
     # Twinkle's API runs on the same uvicorn settings (api/__main__.py): uvloop and httptools when installed.
-    uvicorn.run(StandIn(), host="127.0.0.1", port=port, log_level="warning", access_log=False, timeout_keep_alive=75)
+    uvicorn.run(StandIn(burden), host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                timeout_keep_alive=75)
 
 
 class StandInServer:
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, burden: Burden | None = None) -> None:
         self.port = free_port()
         self.log = log.open("w")
+        self.burden = burden
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--stand-in", str(self.port)], stdout=self.log,
+        burden = self.burden.args() if self.burden is not None else []
+        self.proc = subprocess.Popen([sys.executable, __file__, "--stand-in", str(self.port), *burden], stdout=self.log,
                                      stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -309,8 +381,8 @@ class CpuMeter:
     @staticmethod
     def role(proc: psutil.Process) -> str:
         cmd = " ".join(proc.cmdline())
-        for role, mark in (("stand-in", "--stand-in"), ("api", "-m api"), ("worker", "-m workers"),
-                           ("broker", "valkey-server")):
+        for role, mark in (("burner", "--burner"), ("stand-in", "--stand-in"), ("api", "-m api"),
+                           ("worker", "-m workers"), ("broker", "valkey-server")):
             if mark in cmd:
                 return role
         return "launcher"
@@ -502,6 +574,50 @@ def merged(rounds: list[Figures]) -> Figures:
     return out
 
 
+# -- the burdened floor -------------------------------------------------------------------------------------
+
+
+def burdens(floor: Figures, twinkle: Figures, scales: list[float]) -> list[tuple[float, Burden]]:
+    """Burdens under which the stand-in's server CPU a step is its own plus `scale` times what Twinkle's server
+    spent beyond it in the 16-client windows: the API's excess over a step's four requests, the pool worker's,
+    broker's and launcher's over its two ops. Scale 1 costs what Twinkle costs, without its queue and hops."""
+    spent = twinkle.cpu_ms_per_step
+    request_ms = max(0.0, spent.get("api", 0.0) - floor.cpu_ms_per_step.get("stand-in", 0.0)) / 4
+    op_ms = sum(ms for role, ms in spent.items() if role not in ("client", "api")) / 2
+    return [(scale, Burden(scale * request_ms, scale * op_ms)) for scale in scales]
+
+
+def burdened(work: Path, burden: Burden, ns: argparse.Namespace) -> Figures:
+    """The step and the 16-client rate through a stand-in carrying `burden`, after its own warm-up."""
+    server = StandInServer(work / "burdened.log", burden)
+    server.start()
+    try:
+        target = Target("burdened", server.base_url, ns.clients, ns.timeout)
+        cpu = CpuMeter(psutil.Process(server.proc.pid))
+        figures = Figures()
+        before = server.non_2xx()
+        if ns.warmup > 0:
+            aggregate(target, ns.warmup, figures.counts, cpu)
+        figures.step_ms = timed(lambda: target.step(target.trainer), ns.steps, 20, figures.counts, cpu)
+        figures.cpu_ms_per_single_step = cpu.ms_per_step(len(figures.step_ms))
+        figures.steps_per_s, figures.cpu_ms_per_step = aggregate(target, ns.seconds, figures.counts, cpu)
+        figures.non_2xx = server.non_2xx() - before
+        return figures
+    finally:
+        server.stop()
+
+
+def burdened_line(scale: float, f: Figures, floor: Figures, twinkle: Figures) -> str:
+    server = lambda figures: sum(ms for role, ms in figures.cpu_ms_per_step.items() if role != "client")  # noqa: E731
+    c = f.counts
+    return (f"  burdened x{scale:.2f}: server {server(f):.2f} CPU ms a step (Twinkle's {server(twinkle):.2f}) | step "
+            f"p50 {pct(f.step_ms, 50):6.2f} ms ({pct(f.step_ms, 50) / pct(floor.step_ms, 50):.2f}x the floor) | "
+            f"16 clients {f.steps_per_s:6.1f} steps/s ({f.steps_per_s / floor.steps_per_s:.2f}x the floor) | errors "
+            f"{c.errors}, timeouts {c.timeouts}, non-2xx {f.non_2xx}"
+            + (f"\n           first error: {c.first_error}" if c.first_error else "")
+            + f"\n{cpu_line('16 clients', f.cpu_ms_per_step)}")
+
+
 # -- the per-op trace ---------------------------------------------------------------------------------------
 
 
@@ -591,10 +707,18 @@ def main() -> None:
                         help="seconds each server's 16 clients step before round 1, not counted")
     parser.add_argument("--trace", type=int, default=0, help="Twinkle steps to follow op by op at the end")
     parser.add_argument("--only", choices=("floor", "twinkle"), help="measure one server (profiling)")
+    parser.add_argument("--burdened", default="", metavar="SCALES",
+                        help="after the rounds, a stand-in burdened with Twinkle's measured server CPU a step times "
+                             "each of these comma-separated scales (e.g. 1,0.75,0.5)")
     parser.add_argument("--stand-in", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--burden", type=float, nargs=2, metavar=("REQUEST_MS", "OP_MS"), help=argparse.SUPPRESS)
+    parser.add_argument("--burner", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if ns.burner:
+        burn_forever()
+        return
     if ns.stand_in:
-        serve_stand_in(ns.stand_in)
+        serve_stand_in(ns.stand_in, Burden(*ns.burden) if ns.burden else None)
         return
     os.environ.setdefault("TINKER_LOG", "error")
     from twinkle.tiny_model import ensure_tiny_model
@@ -637,6 +761,13 @@ def main() -> None:
             if len(total) == 2:
                 print(ratios(total["floor"], total["twinkle"]))
                 print(ceiling(total["floor"], total["twinkle"]))
+                scales = [float(scale) for scale in ns.burdened.split(",") if scale.strip()]
+                if scales:
+                    print("the floor burdened with Twinkle's server CPU a step (16-client windows, all rounds)",
+                          flush=True)
+                for scale, burden in burdens(total["floor"], total["twinkle"], scales):
+                    print(burdened_line(scale, burdened(work, burden, ns), total["floor"], total["twinkle"]),
+                          flush=True)
             if ns.trace and "twinkle" in targets:
                 trace(targets["twinkle"][0], twinkle, ns.trace)
         finally:
