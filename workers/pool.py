@@ -42,6 +42,7 @@ from twinkle.usage import UsageLedger
 from workers import broker_link, handover, processor
 from workers.exports import ExportSettings
 from workers.factory import build_model_pool, build_sampler
+from workers.fair_turns import FairTurns
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
 from workers.lean_tasks import LeanTasks
 from workers.lifecycle import AdapterReaper
@@ -73,11 +74,12 @@ def queue_for(app: Application, replica: int) -> str:
 
 
 def build_runtime(config: ServerConfig, app: Application, replica: int, r: redis.Redis, keys: Keys,
-                  lease: PoolLease | None = None) -> PoolRuntime:
-    """The pool's runtime, its model (if any) loaded and its threads started."""
+                  lease: PoolLease | None = None, *, fair_turns: bool = False) -> PoolRuntime:
+    """The pool's runtime, its model (if any) loaded and its threads started. `fair_turns`: a model pool's fair
+    share, without fused cycles, runs on one thread (workers/fair_turns.py) rather than through the clock."""
     queue = queue_for(app, replica)
     if isinstance(app, ModelApp):
-        return _model_runtime(config, app, replica, queue, r, keys, lease)
+        return _model_runtime(config, app, replica, queue, r, keys, lease, fair_turns=fair_turns)
     if isinstance(app, SamplerApp):
         return _sampler_runtime(config, app, queue, r, keys, lease)
     if isinstance(app, ProcessorApp):
@@ -91,7 +93,7 @@ def build_runtime(config: ServerConfig, app: Application, replica: int, r: redis
 
 
 def _model_runtime(config: ServerConfig, app: ModelApp, replica: int, queue: str, r: redis.Redis, keys: Keys,
-                   lease: PoolLease | None) -> PoolRuntime:
+                   lease: PoolLease | None, *, fair_turns: bool = False) -> PoolRuntime:
     args = app.args
     log.info("pool %s: loading %s", queue, args.model_id)
     started = time.perf_counter()
@@ -101,7 +103,7 @@ def _model_runtime(config: ServerConfig, app: ModelApp, replica: int, queue: str
                                        queue, exports=ExportSettings(args.backend, args.model_id, args.export, dtype))
     runtime = PoolRuntime(r, keys, queue, model_handlers.table(), future_ttl=config.storage.future_ttl_seconds,
                           has_adapter=backend.has_adapter, queue_timeout=args.queue_config.queue_timeout, lease=lease)
-    if args.clock.enabled or args.scheduling.policy == "fair":
+    if args.clock.enabled or (args.scheduling.policy == "fair" and not fair_turns):
         runtime.use_clock(backend, args.clock, args.scheduling, after_fused=model_handlers.residency.publish)
     adapters = args.adapter_config
     reaper = AdapterReaper(r, keys, adapter_ids=model_handlers.adapter_ids, remove=model_handlers.drop_adapter,
@@ -245,11 +247,14 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     keys = Keys(config.persistence.key_prefix)
     seconds = config.broker.pool_lease_seconds
     lease = PoolLease(client_for(url, seconds), keys, queue_for(app, replica), seconds)
+    # Flower reads Celery's task events, telemetry its signals, and `launch -v` shows its per-task lines
+    watched = config.flower.enabled or config.telemetry.enabled or launched_process.verbose()
+    lean = LeanTasks() if LeanTasks.wanted(watched=watched, threads=not isinstance(app, ProcessorApp)) else None
     try:
         lease.acquire()  # before the model loads: a second worker of this pool stops here, naming the first
         lease.start_renewing()
         lease.take_over_queue()
-        runtime = build_runtime(config, app, replica, r, keys, lease)
+        runtime = build_runtime(config, app, replica, r, keys, lease, fair_turns=lean is not None)
     except Exception as error:  # noqa: BLE001 - whatever stops the start, the launcher reports it in one line
         _exit_start_failed(queue_for(app, replica), error)
     lease.check_on_resume()
@@ -258,9 +263,6 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     celery.conf.broker_transport = "workers.handover:HandoverTransport"  # no message only in this process's memory
     runtime.acked_by_finish = handover.ACKED_BY_FINISH  # its consumer skips the ack a completed op's finish made
     broker_link.tolerate_lost_acks()
-    # Flower reads Celery's task events, telemetry its signals, and `launch -v` shows its per-task lines
-    watched = config.flower.enabled or config.telemetry.enabled or launched_process.verbose()
-    lean = LeanTasks() if LeanTasks.wanted(watched=watched, threads=not isinstance(app, ProcessorApp)) else None
     for op in Op:
         _register(celery, runtime, op, lean)
     if runtime.reservation is not None:
@@ -297,6 +299,14 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
                 lean.received = clock.arrived
             task_received.connect(lambda request, **_: clock.arrived(
                 str(request.kwargs.get("request_id", "")), str(request.kwargs.get("model_id", ""))), weak=False)
+        elif lean is not None and isinstance(app, ModelApp) and app.args.scheduling.policy == "fair":
+            # Fair share on the one thread: it holds `scheduling.window` messages and runs the one fair share
+            # picks each time; every message's read goes with its delivery record, as with the clock.
+            window = app.args.scheduling.window
+            pool = ["-P", "threads", "-c", "1", "--prefetch-multiplier", str(window)]
+            _read_with_delivery(runtime, keys)
+            assert runtime.prereads is not None
+            lean.turns = FairTurns(runtime.prereads, window)
     try:
         celery.worker_main([
             *([] if launched_process.verbose() else ["--quiet"]),  # the banner, unless `launch -v`

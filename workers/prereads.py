@@ -5,9 +5,11 @@ Before it runs an op a pool reads the future record, its payload and the model t
 records the delivery, workers/handover.py), so it sends the read in the same pipeline and keeps the answer here for
 the op's thread, which takes it instead of a round trip of its own.
 
-Only pools that hand every delivered message to a thread of its own at once use this (a model pool with clock
-cycles, a sampler pool): there the thread would read a moment later anyway, so what it takes is as fresh as its
-own read would be. A pool that runs one op at a time with the next message reserved would take a read one op old.
+Only pools that hold their delivered messages to choose among them use this: a model pool with fair share
+(workers/fair_turns.py, which takes each op's tenant and cost from the read) or clock cycles, and a sampler pool.
+There an op's thread read at delivery anyway before it waited for its turn, and its turn re-checks what may have
+changed since (`begin` refuses a future that ended meanwhile). A `fifo` pool, which runs one op at a time with
+the next message reserved, reads when the op runs.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class Prereads:
     def keep(self, request_id: str, model_id: str, inputs: RunInputs) -> None:
         with self._lock:
             self._kept.put(request_id, (model_id, inputs))
+
+    def peek(self, request_id: str, model_id: str) -> RunInputs | None:
+        """The read kept for this delivery of the op, left for its `take`; None when there is none."""
+        with self._lock:
+            kept = self._kept.get(request_id)
+        return kept[1] if kept is not None and kept[0] == model_id else None
 
     def take(self, request_id: str, model_id: str) -> RunInputs | None:
         """The read kept for this delivery of the op, once; None when there is none for the same model."""

@@ -1,0 +1,121 @@
+"""Fair share on one thread: a model pool without clock cycles runs the ops it holds one at a time, each time
+the one fair share picks, on the pool's single task thread.
+
+Celery's consumer delivers the pool's messages in queue order to the lean tasks' strategy
+(workers/lean_tasks.py), which offers each one here and submits one turn to the pool's thread. Each turn runs
+the op fair share picks among those held at that moment (`workers.fair_share`): the first held op of each
+adapter is a candidate, and the candidate of the least-served tenant goes. One turn per offer, so every held op
+runs once, and since one op runs at a time an adapter's first held op is always free to run.
+
+The clock (`workers.clock`) makes the same choice with a thread per held op and a thread of its own that runs
+them, handing every op over twice; here the consumer's hand-off to the pool's thread is the only one, as in a
+`fifo` pool. The clock remains for fused cycles and for pools whose tasks take Celery's own path.
+
+Each op's tenant, weight and cost come from the read its delivery made (workers/prereads.py); an op without one
+(its read failed, its thread will read for itself) is charged the least cost under no tenant.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from twinkle import blobs
+from twinkle.futures import Op
+from workers.fair_share import MIN_OP_COST, FairShare, op_cost
+from workers.prereads import Prereads
+
+COSTED_OPS = (Op.FORWARD, Op.FORWARD_BACKWARD, Op.SAMPLE)  # whose cost needs the payload (fair_share.op_cost)
+
+
+@dataclass
+class Turn:
+    """One held op: what runs it, and what fair share knows of it once it is classified."""
+
+    run: Callable[[], Any]
+    request_id: str
+    model_id: str
+    arrival: int = 0
+    tenant: str = ""
+    weight: float = 1.0
+    cost: float = MIN_OP_COST
+    classified: bool = False
+
+    @property
+    def key(self) -> str:
+        """Ops with the same key keep their order: the model, or the op itself when it has none."""
+        return self.model_id or self.request_id
+
+
+class FairTurns:
+    def __init__(self, prereads: Prereads, window: int) -> None:
+        self.prereads = prereads
+        self.window = window  # messages the pool holds to choose from (its prefetch)
+        self.share = FairShare()
+        self._held: list[Turn] = []
+        self._waiting: Counter[str] = Counter()  # classified held ops per tenant
+        self._arrivals = 0
+        self._lock = threading.Lock()
+
+    def offer(self, turn: Turn) -> None:
+        """A delivered op, in queue order (the consumer's thread)."""
+        with self._lock:
+            self._arrivals += 1
+            turn.arrival = self._arrivals
+            self._held.append(turn)
+
+    def withdraw(self, request_id: str) -> bool:
+        """Take back an offered op no turn will run (the pool is stopping); False when a turn already took it."""
+        with self._lock:
+            for turn in self._held:
+                if turn.request_id == request_id:
+                    self._forget(turn)
+                    return True
+        return False
+
+    def next(self) -> Turn:
+        """The op to run now, charged to its tenant (the pool's thread, once per offer)."""
+        with self._lock:
+            for turn in self._held:
+                if not turn.classified:
+                    self._classify(turn)
+            seen: set[str] = set()
+            best: Turn | None = None
+            for turn in self._held:
+                if turn.key in seen:
+                    continue
+                seen.add(turn.key)
+                if best is None or self.share.order_key(turn.tenant, turn.arrival) < self.share.order_key(
+                        best.tenant, best.arrival):
+                    best = turn
+            if best is None:
+                raise LookupError("a turn with no op held: each offer is followed by exactly one turn")
+            self.share.charge(best.tenant, best.cost, best.weight)
+            self._forget(best)
+            return best
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def _classify(self, turn: Turn) -> None:
+        inputs = self.prereads.peek(turn.request_id, turn.model_id)
+        record = inputs.record if inputs is not None else None
+        if record is not None and inputs is not None:
+            turn.tenant, turn.weight = record.owner, record.weight or 1.0
+            payload = blobs.loads(inputs.payload) if inputs.payload and record.op in COSTED_OPS else None
+            turn.cost = op_cost(record.op, payload)
+        if not self._waiting[turn.tenant]:  # it starts waiting: idle time is no credit (FairShare.lift)
+            self.share.lift(turn.tenant)
+            self.share.forget_idle(tenant for tenant, count in self._waiting.items() if count)
+        self._waiting[turn.tenant] += 1
+        turn.classified = True
+
+    def _forget(self, turn: Turn) -> None:
+        self._held.remove(turn)
+        if turn.classified:
+            self._waiting[turn.tenant] -= 1
+            if not self._waiting[turn.tenant]:
+                del self._waiting[turn.tenant]
