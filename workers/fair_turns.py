@@ -105,8 +105,11 @@ class FairTurns:
         record = inputs.record if inputs is not None else None
         if record is not None and inputs is not None:
             turn.tenant, turn.weight = record.owner, record.weight or 1.0
-            payload = blobs.loads(inputs.payload) if inputs.payload and record.op in COSTED_OPS else None
-            turn.cost = op_cost(record.op, payload)
+            try:
+                payload = blobs.loads(inputs.payload) if inputs.payload and record.op in COSTED_OPS else None
+                turn.cost = op_cost(record.op, payload)
+            except Exception:  # noqa: BLE001 - a payload the op itself will refuse, with its own error, when it runs
+                turn.cost = MIN_OP_COST
         if not self._waiting[turn.tenant]:  # it starts waiting: idle time is no credit (FairShare.lift)
             self.share.lift(turn.tenant)
             self.share.forget_idle(tenant for tenant, count in self._waiting.items() if count)

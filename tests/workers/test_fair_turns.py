@@ -106,6 +106,15 @@ def test_an_op_without_a_read_still_runs_charged_the_least_cost() -> None:
     assert pool.turns.share.served == {"": MIN_OP_COST}
 
 
+def test_an_op_whose_payload_cannot_be_read_still_gets_its_turn_charged_the_least_cost() -> None:
+    pool = Pool()
+    request_id = pool.offer("broken", Op.FORWARD_BACKWARD)
+    record = FutureRecord(request_id=request_id, op=Op.FORWARD_BACKWARD, owner="t", model_id="broken", queue="q")
+    pool.prereads.keep(request_id, "broken", RunInputs(record, b"not a blob", {}))
+    assert pool.run_all() == ["broken"]
+    assert pool.turns.share.served == {"t": MIN_OP_COST}
+
+
 def test_a_withdrawn_op_is_not_run_and_one_a_turn_took_cannot_be_withdrawn() -> None:
     pool = Pool()
     first = pool.offer("a")
