@@ -517,13 +517,17 @@ def measure(target: Target, non_2xx: Callable[[], int], cpu: CpuMeter, steps: in
 
 
 def line(name: str, f: Figures) -> str:
-    c = f.counts
     return (f"  {name:<8} step p50 {pct(f.step_ms, 50):6.2f} ms  p99 {pct(f.step_ms, 99):6.2f} ms (n={len(f.step_ms)})"
             f" | 16 clients {f.steps_per_s:6.1f} steps/s | sample p50 {pct(f.sample_ms, 50):6.2f} ms"
             f"  p99 {pct(f.sample_ms, 99):6.2f} ms (n={len(f.sample_ms)})"
-            f" | errors {c.errors}, timeouts {c.timeouts}, non-2xx {f.non_2xx}"
-            + (f"\n           first error: {c.first_error}" if c.first_error else "")
-            + f"\n{cpu_line('1 client', f.cpu_ms_per_single_step)}\n{cpu_line('16 clients', f.cpu_ms_per_step)}")
+            f" | {failures(f)}\n{cpu_line('1 client', f.cpu_ms_per_single_step)}"
+            f"\n{cpu_line('16 clients', f.cpu_ms_per_step)}")
+
+
+def failures(f: Figures) -> str:
+    c = f.counts
+    return (f"errors {c.errors}, timeouts {c.timeouts}, non-2xx {f.non_2xx}"
+            + (f"\n           first error: {c.first_error}" if c.first_error else ""))
 
 
 def cpu_line(who: str, ms: dict[str, float]) -> str:
@@ -594,14 +598,13 @@ def burdened(work: Path, burden: Burden, ns: argparse.Namespace) -> Figures:
     try:
         target = Target("burdened", server.base_url, ns.clients, ns.timeout)
         cpu = CpuMeter(psutil.Process(server.proc.pid))
-        figures = Figures()
-        before = server.non_2xx()
+        warm = Counts()
         if ns.warmup > 0:
-            aggregate(target, ns.warmup, figures.counts, cpu)
-        figures.step_ms = timed(lambda: target.step(target.trainer), ns.steps, 20, figures.counts, cpu)
-        figures.cpu_ms_per_single_step = cpu.ms_per_step(len(figures.step_ms))
-        figures.steps_per_s, figures.cpu_ms_per_step = aggregate(target, ns.seconds, figures.counts, cpu)
-        figures.non_2xx = server.non_2xx() - before
+            aggregate(target, ns.warmup, warm, cpu)
+        figures = measure(target, server.non_2xx, cpu, ns.steps, ns.seconds, samples=0)
+        figures.counts.errors += warm.errors
+        figures.counts.timeouts += warm.timeouts
+        figures.counts.first_error = warm.first_error or figures.counts.first_error
         return figures
     finally:
         server.stop()
@@ -609,13 +612,10 @@ def burdened(work: Path, burden: Burden, ns: argparse.Namespace) -> Figures:
 
 def burdened_line(scale: float, f: Figures, floor: Figures, twinkle: Figures) -> str:
     server = lambda figures: sum(ms for role, ms in figures.cpu_ms_per_step.items() if role != "client")  # noqa: E731
-    c = f.counts
     return (f"  burdened x{scale:.2f}: server {server(f):.2f} CPU ms a step (Twinkle's {server(twinkle):.2f}) | step "
             f"p50 {pct(f.step_ms, 50):6.2f} ms ({pct(f.step_ms, 50) / pct(floor.step_ms, 50):.2f}x the floor) | "
-            f"16 clients {f.steps_per_s:6.1f} steps/s ({f.steps_per_s / floor.steps_per_s:.2f}x the floor) | errors "
-            f"{c.errors}, timeouts {c.timeouts}, non-2xx {f.non_2xx}"
-            + (f"\n           first error: {c.first_error}" if c.first_error else "")
-            + f"\n{cpu_line('16 clients', f.cpu_ms_per_step)}")
+            f"16 clients {f.steps_per_s:6.1f} steps/s ({f.steps_per_s / floor.steps_per_s:.2f}x the floor) | "
+            f"{failures(f)}\n{cpu_line('16 clients', f.cpu_ms_per_step)}")
 
 
 # -- the per-op trace ---------------------------------------------------------------------------------------
