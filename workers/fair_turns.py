@@ -51,9 +51,8 @@ class Turn:
 
 
 class FairTurns:
-    def __init__(self, prereads: Prereads, window: int) -> None:
+    def __init__(self, prereads: Prereads) -> None:
         self.prereads = prereads
-        self.window = window  # messages the pool holds to choose from (its prefetch)
         self.share = FairShare()
         self._held: list[Turn] = []
         self._waiting: Counter[str] = Counter()  # classified held ops per tenant
@@ -112,7 +111,7 @@ class FairTurns:
                 turn.cost = MIN_OP_COST
         if not self._waiting[turn.tenant]:  # it starts waiting: idle time is no credit (FairShare.lift)
             self.share.lift(turn.tenant)
-            self.share.forget_idle(tenant for tenant, count in self._waiting.items() if count)
+            self.share.forget_idle(self._waiting)  # the tenants with ops held
         self._waiting[turn.tenant] += 1
         turn.classified = True
 

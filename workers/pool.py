@@ -306,7 +306,7 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
             pool = ["-P", "threads", "-c", "1", "--prefetch-multiplier", str(window)]
             _read_with_delivery(runtime, keys)
             assert runtime.prereads is not None
-            lean.turns = FairTurns(runtime.prereads, window)
+            lean.turns = FairTurns(runtime.prereads)
     try:
         celery.worker_main([
             *([] if launched_process.verbose() else ["--quiet"]),  # the banner, unless `launch -v`

@@ -30,7 +30,7 @@ class Pool:
 
     def __init__(self) -> None:
         self.prereads = Prereads(Keys(""))
-        self.turns = FairTurns(self.prereads, window=64)
+        self.turns = FairTurns(self.prereads)
         self.ran: list[tuple[str, str]] = []  # (model, request id) in the order the turns ran them
         self._ids = 0
 
@@ -141,7 +141,7 @@ def test_a_worker_with_fair_turns_runs_every_held_op_once_on_its_one_thread_and_
         ran.append((request_id, threading.get_ident()))
 
     lean = LeanTasks()
-    lean.turns = FairTurns(Prereads(Keys("")), window=16)
+    lean.turns = FairTurns(Prereads(Keys("")))
     by_celery: list[str] = []
     celery = pool_app(broker.url, lean, runner, by_celery)
     ids = [f"op-{i}" for i in range(12)]
