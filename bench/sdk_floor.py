@@ -141,7 +141,7 @@ class StandIn:
     async def _start_burner(self) -> None:
         self.burner = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--burner", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-        self._burnt = asyncio.create_task(self._read_burnt())
+        self._burnt = asyncio.create_task(self._read_burnt())  # held: the loop keeps only weak references to tasks
 
     async def _read_burnt(self) -> None:
         assert self.burner.stdout is not None

@@ -250,11 +250,13 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     # Flower reads Celery's task events, telemetry its signals, and `launch -v` shows its per-task lines
     watched = config.flower.enabled or config.telemetry.enabled or launched_process.verbose()
     lean = LeanTasks() if LeanTasks.wanted(watched=watched, threads=not isinstance(app, ProcessorApp)) else None
+    fair_turns = (lean is not None and isinstance(app, ModelApp) and app.args.scheduling.policy == "fair"
+                  and not app.args.clock.enabled)
     try:
         lease.acquire()  # before the model loads: a second worker of this pool stops here, naming the first
         lease.start_renewing()
         lease.take_over_queue()
-        runtime = build_runtime(config, app, replica, r, keys, lease, fair_turns=lean is not None)
+        runtime = build_runtime(config, app, replica, r, keys, lease, fair_turns=fair_turns)
     except Exception as error:  # noqa: BLE001 - whatever stops the start, the launcher reports it in one line
         _exit_start_failed(queue_for(app, replica), error)
     lease.check_on_resume()
@@ -299,14 +301,11 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
                 lean.received = clock.arrived
             task_received.connect(lambda request, **_: clock.arrived(
                 str(request.kwargs.get("request_id", "")), str(request.kwargs.get("model_id", ""))), weak=False)
-        elif lean is not None and isinstance(app, ModelApp) and app.args.scheduling.policy == "fair":
+        elif fair_turns and lean is not None and isinstance(app, ModelApp):
             # Fair share on the one thread: it holds `scheduling.window` messages and runs the one fair share
             # picks each time; every message's read goes with its delivery record, as with the clock.
-            window = app.args.scheduling.window
-            pool = ["-P", "threads", "-c", "1", "--prefetch-multiplier", str(window)]
-            _read_with_delivery(runtime, keys)
-            assert runtime.prereads is not None
-            lean.turns = FairTurns(runtime.prereads)
+            pool = ["-P", "threads", "-c", "1", "--prefetch-multiplier", str(app.args.scheduling.window)]
+            lean.turns = FairTurns(_read_with_delivery(runtime, keys))
     try:
         celery.worker_main([
             *([] if launched_process.verbose() else ["--quiet"]),  # the banner, unless `launch -v`
@@ -318,9 +317,11 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
         lease.release()  # a clean stop: the launcher's restart need not wait for the lease to expire
 
 
-def _read_with_delivery(runtime: PoolRuntime, keys: Keys) -> None:
-    """Every delivered message gets a thread at once here, so its read can go with its delivery record."""
+def _read_with_delivery(runtime: PoolRuntime, keys: Keys) -> Prereads:
+    """The pool holds its delivered messages to choose among them, so each one's read goes with its delivery record
+    (workers/prereads.py); the reads, kept for the ops."""
     runtime.prereads = handover.PREREADS = Prereads(keys)
+    return runtime.prereads
 
 
 def _exit_start_failed(queue: str, error: Exception) -> NoReturn:

@@ -8,12 +8,11 @@ import threading
 from typing import Any
 
 import redis
-from celery.contrib.testing.worker import start_worker
 
 from tests.harness import wait_for
 from tests.private_redis import PrivateRedis
 from tests.workers.test_clock import batch
-from tests.workers.test_lean_tasks import QUEUE, pool_app, send
+from tests.workers.test_lean_tasks import consuming, pool_app, send
 from twinkle import blobs
 from twinkle.futures import FutureRecord, Op
 from twinkle.keys import Keys
@@ -124,12 +123,6 @@ def test_a_withdrawn_op_is_not_run_and_one_a_turn_took_cannot_be_withdrawn() -> 
     assert pool.turns.withdraw(second) and len(pool.turns) == 0
 
 
-def consuming(celery: Any, prefetch: int) -> Any:
-    celery.conf.worker_prefetch_multiplier = prefetch
-    return start_worker(celery, pool="threads", concurrency=1, queues=[QUEUE], perform_ping_check=False,
-                        loglevel="WARNING", shutdown_timeout=10)
-
-
 def test_a_worker_with_fair_turns_runs_every_held_op_once_on_its_one_thread_and_acks_it(
         broker: PrivateRedis) -> None:
     r = redis.Redis.from_url(broker.url)
@@ -145,7 +138,8 @@ def test_a_worker_with_fair_turns_runs_every_held_op_once_on_its_one_thread_and_
     by_celery: list[str] = []
     celery = pool_app(broker.url, lean, runner, by_celery)
     ids = [f"op-{i}" for i in range(12)]
-    with consuming(celery, prefetch=16):
+    celery.conf.worker_prefetch_multiplier = 16  # one thread holding 16 messages, as a pool holds its window
+    with consuming(celery, threads=1):
         for request_id in ids:
             send(celery, request_id)
         wait_for(lambda: len(lean.held()) == len(ids))  # all delivered to the one thread's turns at once
