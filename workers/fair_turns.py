@@ -1,15 +1,15 @@
 """Fair share on one thread: a model pool without clock cycles runs the ops it holds one at a time, each time
 the one fair share picks, on the pool's single task thread.
 
-Celery's consumer delivers the pool's messages in queue order to the lean tasks' strategy
-(workers/lean_tasks.py), which offers each one here and submits one turn to the pool's thread. Each turn runs
-the op fair share picks among those held at that moment (`workers.fair_share`): the first held op of each
-adapter is a candidate, and the candidate of the least-served tenant goes. One turn per offer, so every held op
-runs once, and since one op runs at a time an adapter's first held op is always free to run.
+The pool's consumer (workers/op_consumer.py) offers each message here in queue order as it takes it, and takes
+one turn whenever it runs an op. Each turn runs the op fair share picks among those held at that moment
+(`workers.fair_share`): the first held op of each adapter is a candidate, and the candidate of the least-served
+tenant goes. One turn per offer, so every held op runs once, and since one op runs at a time an adapter's first
+held op is always free to run.
 
 The clock (`workers.clock`) makes the same choice with a thread per held op and a thread of its own that runs
-them, handing every op over twice; here the consumer's hand-off to the pool's thread is the only one, as in a
-`fifo` pool. The clock remains for fused cycles and for pools whose tasks take Celery's own path.
+them, handing every op over twice; here nothing is handed over. The clock remains for fused cycles and for pools
+whose tasks take Celery's own path.
 
 Each op's tenant, weight and cost come from the read its delivery made (workers/prereads.py); an op without one
 (its read failed, its thread will read for itself) is charged the least cost under no tenant.
@@ -17,7 +17,6 @@ Each op's tenant, weight and cost come from the read its delivery made (workers/
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,50 +50,40 @@ class Turn:
 
 
 class FairTurns:
+    """The held ops and the fair share between their tenants; used by the pool's consumer thread alone."""
+
     def __init__(self, prereads: Prereads) -> None:
         self.prereads = prereads
         self.share = FairShare()
         self._held: list[Turn] = []
         self._waiting: Counter[str] = Counter()  # classified held ops per tenant
         self._arrivals = 0
-        self._lock = threading.Lock()
 
     def offer(self, turn: Turn) -> None:
-        """A delivered op, in queue order (the consumer's thread)."""
-        with self._lock:
-            self._arrivals += 1
-            turn.arrival = self._arrivals
-            self._held.append(turn)
-
-    def withdraw(self, request_id: str) -> bool:
-        """Take back an offered op no turn will run (the pool is stopping); False when a turn already took it."""
-        with self._lock:
-            for turn in self._held:
-                if turn.request_id == request_id:
-                    self._forget(turn)
-                    return True
-        return False
+        """A delivered op, in queue order."""
+        self._arrivals += 1
+        turn.arrival = self._arrivals
+        self._held.append(turn)
 
     def next(self) -> Turn:
-        """The op to run now, charged to its tenant (the pool's thread, once per offer)."""
-        with self._lock:
-            for turn in self._held:
-                if not turn.classified:
-                    self._classify(turn)
-            seen: set[str] = set()
-            best: Turn | None = None
-            for turn in self._held:
-                if turn.key in seen:
-                    continue
-                seen.add(turn.key)
-                if best is None or self.share.order_key(turn.tenant, turn.arrival) < self.share.order_key(
-                        best.tenant, best.arrival):
-                    best = turn
-            if best is None:
-                raise LookupError("a turn with no op held: each offer is followed by exactly one turn")
-            self.share.charge(best.tenant, best.cost, best.weight)
-            self._forget(best)
-            return best
+        """The op to run now, charged to its tenant (once per offer)."""
+        for turn in self._held:
+            if not turn.classified:
+                self._classify(turn)
+        seen: set[str] = set()
+        best: Turn | None = None
+        for turn in self._held:
+            if turn.key in seen:
+                continue
+            seen.add(turn.key)
+            if best is None or self.share.order_key(turn.tenant, turn.arrival) < self.share.order_key(
+                    best.tenant, best.arrival):
+                best = turn
+        if best is None:
+            raise LookupError("a turn with no op held: each offer is followed by exactly one turn")
+        self.share.charge(best.tenant, best.cost, best.weight)
+        self._forget(best)
+        return best
 
     def __len__(self) -> int:
         return len(self._held)

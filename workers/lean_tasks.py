@@ -19,9 +19,8 @@ finish already acknowledged it in the broker), a turn of the loop per op. The lo
 stopped fetching at its prefetch limit (`_ack_here`), and Celery's own promise still acks while Celery restores its
 prefetch count after a reconnect, which it does one ack at a time through that promise.
 
-A model pool with fair share and no fused cycles holds its window of messages with one thread
-(workers/fair_turns.py): a message is offered to its `FairTurns` and one turn submitted to the thread, which runs
-whichever held op fair share picks, then acks that op's message.
+A model pool without clock cycles takes its messages with a consumer of its own (workers/op_consumer.py), which
+calls the same runners; this strategy serves sampler pools and pools that run clock cycles.
 
 Everything else is unchanged: the consumer, kombu's transport and prefetch, the threads (`-c`), and warm
 shutdown (the pool's executor finishes what it holds).
@@ -32,13 +31,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from celery.worker.strategy import default
 
 from twinkle.task_message import op_ids
-from workers.fair_turns import FairTurns, Turn
 from workers.handover import HandoverQoS
 
 log = logging.getLogger("twinkle.worker")
@@ -55,8 +52,7 @@ class LeanTasks:
         self._held: set[str] = set()
         self._lock = threading.Lock()
         self._acking = threading.Lock()  # one ack at a time: exactly the one that frees a slot at the limit wakes
-        self.runners: dict[str, OpRunner] = {}  # by task name
-        self.turns: FairTurns | None = None  # set by a model pool that runs fair share on one thread
+        self.runners: dict[str, OpRunner] = {}  # by task name (a model pool's own consumer runs them too)
 
     @staticmethod
     def wanted(*, watched: bool, threads: bool) -> bool:
@@ -94,17 +90,9 @@ class LeanTasks:
             else:
                 def acked() -> None:
                     ack(log, errors)
-            turns = self.turns
             try:
-                if turns is None:
-                    submit(self._run, run, request_id, model_id, tag, acked)
-                else:
-                    turns.offer(Turn(partial(self._run, run, request_id, model_id, tag, acked), request_id,
-                                     model_id))
-                    submit(self._take_turn, turns)
+                submit(self._run, run, request_id, model_id, tag, acked)
             except RuntimeError:  # the pool is shutting down: the message stays unacked and is put back
-                if turns is not None and not turns.withdraw(request_id):
-                    return None  # a turn took it already; a held op of later arrival waits for the restart
                 with self._lock:
                     self._held.discard(request_id)
                 log.warning("op %s not started: the pool is stopping; its message goes back to the queue",
@@ -122,10 +110,6 @@ class LeanTasks:
             with self._lock:
                 self._held.discard(request_id)
             ack()
-
-    @staticmethod
-    def _take_turn(turns: FairTurns) -> None:
-        turns.next().run()
 
     def _ack_here(self, message: Any, qos: HandoverQoS, errors: Any, hub: Any) -> None:
         """Ack in this thread. The consumer stops fetching while its messages in hand reach the prefetch limit and

@@ -12,7 +12,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any, NoReturn
 
 import redis
@@ -39,13 +41,14 @@ from twinkle.task_message import task_message
 from twinkle.telemetry import op_span, setup_worker_telemetry
 from twinkle.types import ModelInfo
 from twinkle.usage import UsageLedger
-from workers import broker_link, handover, processor
+from workers import broker_link, handover, op_consumer, processor
 from workers.exports import ExportSettings
 from workers.factory import build_model_pool, build_sampler
 from workers.fair_turns import FairTurns
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
 from workers.lean_tasks import LeanTasks
 from workers.lifecycle import AdapterReaper
+from workers.op_consumer import OpConsumer
 from workers.orphans import OrphanSweep
 from workers.prereads import Prereads
 from workers.runtime import PoolRuntime
@@ -183,16 +186,21 @@ def sampler_threads(app: SamplerApp) -> int:
     return max(sampler_slots(app), app.args.scheduling.window)
 
 
-def _held_task_ids(runtime: PoolRuntime, lean: LeanTasks | None) -> set[str]:
+def _held_by_celery(lean: LeanTasks | None) -> set[str]:
+    """Request ids of the messages Celery's consumer holds (reserved, or taken by the lean tasks)."""
     from celery.worker import state
 
-    held = {str(task_id) for task_id in list(state.requests)} | (lean.held() if lean is not None else set())
+    return {str(task_id) for task_id in list(state.requests)} | (lean.held() if lean is not None else set())
+
+
+def _held_task_ids(runtime: PoolRuntime, held: Callable[[], set[str]]) -> set[str]:
     running = runtime.current
-    return held | {running.rec.request_id} if running else held
+    ids = held()
+    return ids | {running.rec.request_id} if running else ids
 
 
-def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime, lean: LeanTasks | None) -> None:
-    orphans = OrphanSweep(r, queue, lambda: _held_task_ids(runtime, lean), lease=runtime.lease)
+def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime, held: Callable[[], set[str]]) -> None:
+    orphans = OrphanSweep(r, queue, lambda: _held_task_ids(runtime, held), lease=runtime.lease)
     while True:
         if runtime.lease is not None and not runtime.lease.fresh():
             time.sleep(HEARTBEAT_SECONDS)  # cut off or frozen past its lease: replaced, maybe; its renewal says
@@ -204,7 +212,7 @@ def _heartbeat(r: redis.Redis, keys: Keys, queue: str, runtime: PoolRuntime, lea
                     "current": running.rec.request_id if running else "",  # api.lost_futures reads `current`
                     "fused_ops": runtime.clock.fused_ops if runtime.clock else 0,
                     # api.lost_futures: the messages it holds in memory, and since when it runs
-                    "held": sorted(_held_task_ids(runtime, lean)), "since": STARTED_AT}
+                    "held": sorted(_held_task_ids(runtime, held)), "since": STARTED_AT}
             pipe.set(keys.pool_heartbeat(queue), json.dumps(beat), ex=10)
             for key, value in runtime.announcements.items():
                 pipe.set(key, value, nx=True)  # a restarted broker lost it
@@ -250,8 +258,9 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     # Flower reads Celery's task events, telemetry its signals, and `launch -v` shows its per-task lines
     watched = config.flower.enabled or config.telemetry.enabled or launched_process.verbose()
     lean = LeanTasks() if LeanTasks.wanted(watched=watched, threads=not isinstance(app, ProcessorApp)) else None
-    fair_turns = (lean is not None and isinstance(app, ModelApp) and app.args.scheduling.policy == "fair"
-                  and not app.args.clock.enabled)
+    # a model pool without clock cycles that nothing watches consumes its queue itself (workers/op_consumer.py)
+    own_consumer = lean is not None and isinstance(app, ModelApp) and not app.args.clock.enabled
+    fair_turns = own_consumer and isinstance(app, ModelApp) and app.args.scheduling.policy == "fair"
     try:
         lease.acquire()  # before the model loads: a second worker of this pool stops here, naming the first
         lease.start_renewing()
@@ -273,7 +282,9 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
     runtime.send = lambda parked: celery.send_task(task_name(parked.op), kwargs={
         "request_id": parked.request_id, "model_id": parked.model_id}, queue=runtime.queue, task_id=parked.request_id)
     setup_worker_telemetry(config, app_name, celery)
-    threading.Thread(target=_heartbeat, args=(r, keys, runtime.queue, runtime, lean), daemon=True).start()
+    consumer = _op_consumer(url, app, runtime, keys, lean, fair=fair_turns) if own_consumer else None
+    held = consumer.held if consumer is not None else partial(_held_by_celery, lean)
+    threading.Thread(target=_heartbeat, args=(r, keys, runtime.queue, runtime, held), daemon=True).start()
     if os.environ.get(liveness.ENV):
         limits = app.args.queue_config if isinstance(app, (ModelApp, SamplerApp, ProcessorApp)) else None
         threading.Thread(target=_liveness, args=(os.environ[liveness.ENV], runtime,
@@ -301,12 +312,11 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
                 lean.received = clock.arrived
             task_received.connect(lambda request, **_: clock.arrived(
                 str(request.kwargs.get("request_id", "")), str(request.kwargs.get("model_id", ""))), weak=False)
-        elif fair_turns and lean is not None and isinstance(app, ModelApp):
-            # Fair share on the one thread: it holds `scheduling.window` messages and runs the one fair share
-            # picks each time; every message's read goes with its delivery record, as with the clock.
-            pool = ["-P", "threads", "-c", "1", "--prefetch-multiplier", str(app.args.scheduling.window)]
-            lean.turns = FairTurns(_read_with_delivery(runtime, keys))
     try:
+        if consumer is not None:
+            consumer.stop_on_signals()
+            consumer.run()
+            return
         celery.worker_main([
             *([] if launched_process.verbose() else ["--quiet"]),  # the banner, unless `launch -v`
             "worker", *pool, "-Q", runtime.queue, "-n", f"{runtime.queue}@%h",
@@ -315,6 +325,18 @@ def run(config_path: str, app_name: str, replica: int = 0, loglevel: str = "INFO
         ])
     finally:
         lease.release()  # a clean stop: the launcher's restart need not wait for the lease to expire
+
+
+def _op_consumer(url: str, app: Application, runtime: PoolRuntime, keys: Keys, lean: LeanTasks | None, *,
+                 fair: bool) -> OpConsumer:
+    """The pool's consumer of its own queue: one message at a time, or with fair share the window of them it picks
+    from (FairTurns); each message's read goes with its delivery record."""
+    assert lean is not None and isinstance(app, ModelApp), "a model pool's, with the lean tasks' runners"
+    prereads = runtime.prereads = Prereads(keys)
+    client = redis.Redis.from_url(url, socket_timeout=op_consumer.POP_SECONDS + 5, socket_connect_timeout=1)
+    return OpConsumer(client, keys, runtime.queue, lean.runners, acked_by_finish=handover.ACKED_BY_FINISH,
+                      prereads=prereads, turns=FairTurns(prereads) if fair else None,
+                      window=app.args.scheduling.window if fair else 1)
 
 
 def _read_with_delivery(runtime: PoolRuntime, keys: Keys) -> Prereads:

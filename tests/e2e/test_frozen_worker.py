@@ -115,9 +115,13 @@ def test_ops_queued_behind_a_frozen_worker_fail_by_queue_timeout_while_still_que
     with server.client("tml-frozen-a") as a, server.client("tml-frozen-b") as b:
         model_a, model_b = new_model(a), new_model(b)
         worker = server.worker_pid()
-        busy = submit(a, "/forward_backward", fb_body(model_a, BUSY))
+        os.kill(worker, signal.SIGSTOP)  # idle: all four are queued before it takes any, and it takes them together
+        try:
+            busy = submit(a, "/forward_backward", fb_body(model_a, BUSY))
+            held = [submit(a, "/forward_backward", fb_body(model_a, SMALL)) for _ in range(3)]  # the pool holds 4
+        finally:
+            os.kill(worker, signal.SIGCONT)
         eventually(lambda: status(server, busy) == "running", 30, "the slow op to begin")
-        held = [submit(a, "/forward_backward", fb_body(model_a, SMALL)) for _ in range(3)]  # the pool holds 4 ops
         eventually(lambda: all(rid.encode() in b"".join(r.hvals(UNACKED)) for rid in held), 10,
                    "the pool to hold them")
         os.kill(worker, signal.SIGSTOP)

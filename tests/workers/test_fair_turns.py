@@ -1,26 +1,18 @@
 """Fair share on one thread: the ops a pool holds run one at a time, each time the one fair share picks, with
-each op's tenant, weight and cost from the read its delivery made; then the same through a real Celery worker,
-every op run once on the pool's one thread and acked."""
+each op's tenant, weight and cost from the read its delivery made (through a real queue:
+tests/workers/test_op_consumer.py)."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-import redis
-
-from tests.harness import wait_for
-from tests.private_redis import PrivateRedis
 from tests.workers.test_clock import batch
-from tests.workers.test_lean_tasks import consuming, pool_app, send
 from twinkle import blobs
 from twinkle.futures import FutureRecord, Op
 from twinkle.keys import Keys
 from twinkle.ledger.lifecycle import RunInputs
-from twinkle.ledger.messages import UNACKED
 from workers.fair_share import MIN_OP_COST
 from workers.fair_turns import FairTurns, Turn
-from workers.lean_tasks import LeanTasks
 from workers.prereads import Prereads
 
 
@@ -112,39 +104,3 @@ def test_an_op_whose_payload_cannot_be_read_still_gets_its_turn_charged_the_leas
     pool.prereads.keep(request_id, "broken", RunInputs(record, b"not a blob", {}))
     assert pool.run_all() == ["broken"]
     assert pool.turns.share.served == {"t": MIN_OP_COST}
-
-
-def test_a_withdrawn_op_is_not_run_and_one_a_turn_took_cannot_be_withdrawn() -> None:
-    pool = Pool()
-    first = pool.offer("a")
-    second = pool.offer("b")
-    taken = pool.turns.next()
-    assert taken.request_id == first and not pool.turns.withdraw(first)
-    assert pool.turns.withdraw(second) and len(pool.turns) == 0
-
-
-def test_a_worker_with_fair_turns_runs_every_held_op_once_on_its_one_thread_and_acks_it(
-        broker: PrivateRedis) -> None:
-    r = redis.Redis.from_url(broker.url)
-    ran: list[tuple[str, int]] = []
-    release = threading.Event()
-
-    def runner(request_id: str, model_id: str, tag: str) -> None:
-        release.wait(10)  # the first op holds the thread while the rest are delivered and held
-        ran.append((request_id, threading.get_ident()))
-
-    lean = LeanTasks()
-    lean.turns = FairTurns(Prereads(Keys("")))
-    by_celery: list[str] = []
-    celery = pool_app(broker.url, lean, runner, by_celery)
-    ids = [f"op-{i}" for i in range(12)]
-    celery.conf.worker_prefetch_multiplier = 16  # one thread holding 16 messages, as a pool holds its window
-    with consuming(celery, threads=1):
-        for request_id in ids:
-            send(celery, request_id)
-        wait_for(lambda: len(lean.held()) == len(ids))  # all delivered to the one thread's turns at once
-        release.set()
-        wait_for(lambda: len(ran) == len(ids) and r.hlen(UNACKED) == 0)
-    assert [request_id for request_id, _ in ran] == ids  # one model, no reads: delivery order
-    assert len({thread for _, thread in ran}) == 1
-    assert by_celery == [] and lean.held() == set() and len(lean.turns) == 0

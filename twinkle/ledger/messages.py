@@ -167,11 +167,21 @@ def _delivery(tag: bytes | str, raw: bytes) -> Delivery:
 
 
 def record_delivery(index_key: str, unacked_key: str, queue: str, tag: str, unacked_entry: str, item: bytes
-                    ) -> Call[None]:
+                    ) -> Call[int]:
     """A pool's consumer records a message it popped into `queue`'s handover list (`item`) as delivered, under
-    kombu's own keys, and drops it from the handover list, in one step."""
-    return script(scripts.RECORD_DELIVERY, [index_key, unacked_key, handover_key(queue)],
-                  [tag, time.time(), unacked_entry, item], lambda _: None)
+    kombu's own keys, and drops it from the handover list, in one step; answers how many wait in `queue`."""
+    return script(scripts.RECORD_DELIVERY, [index_key, unacked_key, handover_key(queue), queue],
+                  [tag, time.time(), unacked_entry, item], int)
+
+
+def ack(tag: str) -> Call[None]:
+    """Acknowledge a delivered message, as kombu's Redis transport does."""
+    return commands(("ZREM", UNACKED_INDEX, tag), ("HDEL", UNACKED, tag), decode=lambda _: None)
+
+
+def drop_handed(queue: str, item: bytes) -> Call[None]:
+    """Drop a message `queue`'s consumer popped into its handover list and will not run (not an op's)."""
+    return commands(("LREM", handover_key(queue), 1, item), decode=lambda _: None)
 
 
 def return_handover(queue: str) -> Call[int]:

@@ -284,11 +284,13 @@ while redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT') do moved = moved + 
 return moved
 """
 
-# KEYS: unacked index, unacked hash, handover list. ARGV: delivery tag, now, unacked entry, handed-over item.
+# KEYS: unacked index, unacked hash, handover list, queue. ARGV: delivery tag, now, unacked entry, handed-over item.
+# Answers how many messages wait in the queue behind it.
 RECORD_DELIVERY = """
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 redis.call('LREM', KEYS[3], 1, ARGV[4])
+return redis.call('LLEN', KEYS[4])
 """
 
 # KEYS: unacked, unacked_index, queue, pool lease fence ('' = none). ARGV: tag, message, lease token. Atomic, and
