@@ -32,7 +32,7 @@ sum bounds the aggregate (`cores / CPU per step`), and the last line says what t
 the 16-client target: at 0.8x the floor's rate each step gets `cores / rate` of CPU, the SDK clients take
 theirs, and the rest is what the server may spend.
 
-`--trace N` follows N more Twinkle steps op by op: the SDK's submit and result times next to the future
+`--trace N` follows N more Twinkle steps and N samples op by op: the SDK's submit and result times next to the future
 record's own (accepted by the API, begun and finished by the pool worker), read from the launch's embedded
 broker, and prints the median of each stage.
 
@@ -641,9 +641,9 @@ def sdk_polls() -> dict[str, tuple[float, float]]:
 
 
 def trace(target: Target, server: TwinkleServer, n: int) -> None:
-    """Where a Twinkle step's time goes, op by op: the SDK's clock next to the future records' own times (the API
-    accepted it, the pool worker began and finished it), one machine, one clock. The step's two ops are its
-    owner's latest two futures (the console's list)."""
+    """Where a Twinkle step's and a sample's time goes, op by op: the SDK's clock next to the future records' own
+    times (the API accepted it, the pool worker began and finished it), one machine, one clock. The step's two ops
+    are its owner's latest two futures (the console's list), a sample its latest one."""
     from tinker import types
 
     from twinkle.auth import tenant_id
@@ -689,10 +689,29 @@ def trace(target: Target, server: TwinkleServer, n: int) -> None:
                 add(f"{op}: answering poll sent, after finished", sent - record["finished_at"])
                 add(f"{op}: its answer at the SDK, after finished", answered - record["finished_at"])
                 add(f"{op}: answer at the SDK -> SDK result", t_result - answered)
+    for _ in range(n):
+        t0 = time.time()
+        target.sample()
+        t_end = time.time()
+        [rid] = [rid.decode() for rid in r.zrange(latest, -1, -1)]
+        times = r.hmget(keys.future(rid), "created_at", "started_at", "finished_at")
+        if not all(times):
+            continue
+        created, started, finished = (float(t) for t in times if t is not None)
+        add("sample, as the SDK waits", t_end - t0)
+        add("sample: SDK call -> API accepted", created - t0)
+        add("sample: accepted -> worker began", started - created)
+        add("sample: worker ran it", finished - started)
+        add("sample: worker finished -> SDK result", t_end - finished)
+        if rid in polls:
+            sent, answered = polls[rid]
+            add("sample: answering poll sent, after finished", sent - finished)
+            add("sample: its answer at the SDK, after finished", answered - finished)
     count = len(stages.get("step, as the SDK waits", []))
-    print(f"\nTwinkle step, op by op (median of {count} steps):")
+    print(f"\nTwinkle step and sample, op by op (median of {count} steps and "
+          f"{len(stages.get('sample, as the SDK waits', []))} samples):")
     for name, ms in stages.items():
-        print(f"  {name:<40} {statistics.median(ms):7.2f} ms")
+        print(f"  {name:<45} {statistics.median(ms):7.2f} ms")
 
 
 def main() -> None:
