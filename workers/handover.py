@@ -63,7 +63,8 @@ class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
         queue, item = handing
         delivery = message.delivery_info
         entry = messages.entry(item, delivery["exchange"], delivery["routing_key"])
-        recorded = messages.record_delivery(self.unacked_index_key, self.unacked_key, queue, delivery_tag, entry, item)
+        recorded = messages.record_delivery(queue, delivery_tag, entry, item, index_key=self.unacked_index_key,
+                                            unacked_key=self.unacked_key)
         prereads = PREREADS
         read = prereads.read_for(message) if prereads is not None else None
         for pause in (*RECORD_PAUSES, None):

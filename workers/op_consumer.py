@@ -149,7 +149,7 @@ class OpConsumer:
             return -1
         delivery = message["properties"].get("delivery_info") or {}
         recorded = messages.record_delivery(
-            messages.UNACKED_INDEX, messages.UNACKED, self.queue, tag,
+            self.queue, tag,
             messages.entry(item, str(delivery.get("exchange", "")), str(delivery.get("routing_key", self.queue))),
             item)
         with self._lock:  # held before it is recorded: the orphan sweep never sees it recorded and not held

@@ -35,6 +35,7 @@ class SchedulingConfig(StrictModel):
     """`fair`: weighted fair share between API keys, counted in tokens (a Virtual Token Counter), each adapter's
     ops still in acceptance order; `fifo`: arrival order, the way a plain queue serves."""
     window: int = Field(default=64, ge=1, le=512)
-    """Ops the pool holds at once to choose from (its prefetch, and where its clock chooses, its Celery threads).
+    """Ops the pool holds at once to choose from (the messages it takes off its queue, and where its clock chooses,
+    its Celery threads).
     The wait bound holds among them: a tenant with more queued than the window leaves the rest queued in the
     broker, behind it."""

@@ -166,10 +166,11 @@ def _delivery(tag: bytes | str, raw: bytes) -> Delivery:
 # -- writes ---------------------------------------------------------------------------------------------------
 
 
-def record_delivery(index_key: str, unacked_key: str, queue: str, tag: str, unacked_entry: str, item: bytes
-                    ) -> Call[int]:
+def record_delivery(queue: str, tag: str, unacked_entry: str, item: bytes, *, index_key: str = UNACKED_INDEX,
+                    unacked_key: str = UNACKED) -> Call[int]:
     """A pool's consumer records a message it popped into `queue`'s handover list (`item`) as delivered, under
-    kombu's own keys, and drops it from the handover list, in one step; answers how many wait in `queue`."""
+    kombu's own keys (a kombu channel's, which may name others), and drops it from the handover list, in one
+    step; answers how many wait in `queue`."""
     return script(scripts.RECORD_DELIVERY, [index_key, unacked_key, handover_key(queue), queue],
                   [tag, time.time(), unacked_entry, item], int)
 

@@ -524,7 +524,9 @@ async def test_a_delivery_is_recorded_from_the_handover_list_and_what_was_never_
     face = broker_face
     face.r.lpush(handover_key("model.a.0"), b"first", b"second")
     entry = messages.entry(json.dumps({"headers": {"id": "r1"}}), "", "model.a.0")
-    await face.run(messages.record_delivery(UNACKED_INDEX, UNACKED, "model.a.0", "tag-1", entry, b"second"))
+    face.r.lpush("model.a.0", b"behind")
+    assert await face.run(messages.record_delivery("model.a.0", "tag-1", entry, b"second")) == 1  # waiting behind
+    face.r.delete("model.a.0")
     assert face.r.hget(UNACKED, "tag-1") == entry.encode() and face.r.zscore(UNACKED_INDEX, "tag-1") is not None
     assert face.r.lrange(handover_key("model.a.0"), 0, -1) == [b"first"]
     face.r.lpush("model.a.0", b"queued")
