@@ -4,8 +4,8 @@ virtual transport and a thread of the pool.
 
 A model pool runs one op at a time and its ops are two ids each (workers/lean_tasks.py), so Celery's consumer
 only carried the messages: on the Tinker SDK path its event loop, kombu's delivery and the hand-off to the pool's
-thread were about a third of the pool worker's CPU a step (README, Benchmarks). Here a message costs a pop and
-one round trip that records it and reads what its op needs (workers/prereads.py).
+thread cost about 12 % of the pool worker's CPU a step (the README's Benchmarks, eighth pass). Here a message
+costs a pop and one round trip that records it and reads what its op needs (workers/prereads.py).
 
 What it keeps of Celery's consumer and workers/handover.py:
 - A message is always in the queue, its handover list or `unacked`: BLMOVE into the handover list, then one
@@ -22,7 +22,9 @@ What it keeps of Celery's consumer and workers/handover.py:
   in their order; a second signal exits at once (the launcher puts back what the pool held before its restart).
 
 Fair share (`turns`): it holds up to `window` messages, popping while the queue has more, and runs the one
-`FairTurns` picks. `fifo`: one message at a time, in queue order.
+`FairTurns` picks. `fifo`: one message at a time, in queue order. Unlike Celery's prefetch it takes nothing while
+an op runs: what arrives meanwhile waits in the queue (where a crash or a frozen worker leaves it anyway), and
+the window is filled again before each pick, so the pick sees it.
 
 A pool whose tasks something watches (Flower, telemetry, `launch -v`) or that runs clock cycles keeps Celery's
 consumer (workers/pool.py).

@@ -41,14 +41,14 @@ from twinkle.task_message import task_message
 from twinkle.telemetry import op_span, setup_worker_telemetry
 from twinkle.types import ModelInfo
 from twinkle.usage import UsageLedger
-from workers import broker_link, handover, op_consumer, processor
+from workers import broker_link, handover, processor
 from workers.exports import ExportSettings
 from workers.factory import build_model_pool, build_sampler
 from workers.fair_turns import FairTurns
 from workers.handlers import ModelPoolHandlers, SamplerPoolHandlers
 from workers.lean_tasks import LeanTasks
 from workers.lifecycle import AdapterReaper
-from workers.op_consumer import OpConsumer
+from workers.op_consumer import POP_SECONDS, OpConsumer
 from workers.orphans import OrphanSweep
 from workers.prereads import Prereads
 from workers.runtime import PoolRuntime
@@ -333,7 +333,7 @@ def _op_consumer(url: str, app: Application, runtime: PoolRuntime, keys: Keys, l
     from (FairTurns); each message's read goes with its delivery record."""
     assert lean is not None and isinstance(app, ModelApp), "a model pool's, with the lean tasks' runners"
     prereads = runtime.prereads = Prereads(keys)
-    client = redis.Redis.from_url(url, socket_timeout=op_consumer.POP_SECONDS + 5, socket_connect_timeout=1)
+    client = redis.Redis.from_url(url, socket_timeout=POP_SECONDS + 5, socket_connect_timeout=1)
     return OpConsumer(client, keys, runtime.queue, lean.runners, acked_by_finish=handover.ACKED_BY_FINISH,
                       prereads=prereads, turns=FairTurns(prereads) if fair else None,
                       window=app.args.scheduling.window if fair else 1)
