@@ -54,10 +54,31 @@ def op_ids(message: Any) -> tuple[str, str] | None:
     """The request and model ids a kombu message built by `task_message` carries in its kwargs; None for any
     other body (kombu keeps the decoded body, so asking again costs nothing)."""
     try:
-        args, kwargs, _ = message.decode()
-        request_id, model_id = kwargs["request_id"], kwargs.get("model_id") or ""
+        return _ids(*message.decode())
     except (ValueError, TypeError, KeyError):
         return None
+
+
+def envelope_op(item: bytes) -> tuple[dict[str, Any], str, str, str] | None:
+    """A queue item as `task_message` builds it, read without kombu: the envelope, its task's name, and the request
+    and model ids; None for anything else (an ETA or an expiry included, which Twinkle never sends)."""
+    try:
+        envelope = json.loads(item)
+        headers = envelope["headers"]
+        if headers.get("eta") or headers.get("expires"):
+            return None
+        body = envelope["body"]
+        if envelope.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        ids = _ids(*json.loads(body))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return None if ids is None else (envelope, str(headers.get("task", "")), *ids)
+
+
+def _ids(args: Any, kwargs: Any, _embed: Any) -> tuple[str, str] | None:
+    """The ids of a protocol-2 body `[args, kwargs, embed]` with only the two id kwargs."""
+    request_id, model_id = kwargs["request_id"], kwargs.get("model_id") or ""
     if args or not isinstance(request_id, str) or not isinstance(model_id, str):
         return None
     return request_id, model_id

@@ -19,7 +19,8 @@ list only.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
 from kombu.transport import redis as kombu_redis
@@ -30,6 +31,8 @@ from kombu.utils.json import loads
 from twinkle.ledger import SyncLedger, messages
 from workers.prereads import Prereads
 
+T = TypeVar("T")
+
 # Delivery tags whose message the op's own finish acknowledged in Redis (twinkle.ledger.lifecycle.finish): the
 # consumer's ack that follows keeps only kombu's in-memory bookkeeping, saving a round trip per op.
 ACKED_BY_FINISH: set[str] = set()
@@ -39,6 +42,17 @@ PREREADS: Prereads | None = None
 # broke: the script is idempotent, so it is sent again until the broker is back (a restart takes about a second).
 # Given up, a recorded message would wait out the orphan sweep (workers/orphans.py, 5-7 s), the op with it.
 RECORD_PAUSES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
+
+
+def retrying_record(record: Callable[[], T]) -> T:
+    """Send a delivery's record (idempotent) until the broker answers, pausing `RECORD_PAUSES` between tries; the
+    last failure propagates: the message then waits in the handover list or, recorded, for the orphan sweep."""
+    for pause in RECORD_PAUSES:
+        try:
+            return record()
+        except (redis.ConnectionError, redis.TimeoutError):
+            time.sleep(pause)
+    return record()
 
 
 class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
@@ -67,22 +81,19 @@ class HandoverQoS(kombu_redis.QoS):  # type: ignore[misc]
                                             unacked_key=self.unacked_key)
         prereads = PREREADS
         read = prereads.read_for(message) if prereads is not None else None
-        for pause in (*RECORD_PAUSES, None):
-            try:
-                with self.channel.conn_or_acquire() as client:
-                    if read is None:
-                        self.channel.ledger(client).run(recorded)
-                    else:
-                        assert prereads is not None, "a read comes from the prereads"
-                        request_id, model_id, call = read
-                        _, inputs = self.channel.ledger(client).run_then(recorded, call)
-                        if not isinstance(inputs, Exception):  # else the op's thread reads for itself
-                            prereads.keep(request_id, model_id, inputs)
-                break
-            except (redis.ConnectionError, redis.TimeoutError):
-                if pause is None:
-                    raise  # the broker stays away: the message waits in the handover list or for the orphan sweep
-                time.sleep(pause)
+
+        def record() -> None:
+            with self.channel.conn_or_acquire() as client:
+                if read is None:
+                    self.channel.ledger(client).run(recorded)
+                    return
+                assert prereads is not None, "a read comes from the prereads"
+                request_id, model_id, call = read
+                _, inputs = self.channel.ledger(client).run_then(recorded, call)
+                if not isinstance(inputs, Exception):  # else the op's thread reads for itself
+                    prereads.keep(request_id, model_id, inputs)
+
+        retrying_record(record)
         virtual.QoS.append(self, message, delivery_tag)  # kombu's in-memory bookkeeping, without its own write
 
 

@@ -32,8 +32,6 @@ consumer (workers/pool.py).
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
 import signal
@@ -46,10 +44,10 @@ from typing import Any
 
 import redis
 
-from twinkle.keys import Keys
-from twinkle.ledger import SyncLedger, lifecycle, messages
+from twinkle.ledger import SyncLedger, messages
+from twinkle.task_message import envelope_op
 from workers.fair_turns import FairTurns, Turn
-from workers.handover import RECORD_PAUSES
+from workers.handover import retrying_record
 from workers.prereads import Prereads
 
 log = logging.getLogger("twinkle.worker")
@@ -72,11 +70,10 @@ class Held:
 
 
 class OpConsumer:
-    def __init__(self, client: redis.Redis, keys: Keys, queue: str, runners: dict[str, OpRunner], *,
+    def __init__(self, client: redis.Redis, queue: str, runners: dict[str, OpRunner], *,
                  acked_by_finish: set[str], prereads: Prereads, turns: FairTurns | None = None,
                  window: int = 1) -> None:
         self.client = client  # its own connection: a blocking pop must not hold one another thread needs
-        self.keys = keys
         self.queue = queue
         self.runners = runners  # by task name
         self.acked_by_finish = acked_by_finish
@@ -142,10 +139,11 @@ class OpConsumer:
 
     def _take(self, item: bytes) -> int:
         """Record a popped message as delivered, with its op's read; how many wait in the queue behind it."""
-        message, task, request_id, model_id = _parsed(item)
-        tag = str(message.get("properties", {}).get("delivery_tag", "")) if message else ""
+        op = envelope_op(item)
+        message, task, request_id, model_id = op if op is not None else ({}, "", "", "")
+        tag = str(message.get("properties", {}).get("delivery_tag", ""))
         run = self.runners.get(task)
-        if message is None or not tag or not request_id or run is None:
+        if not tag or not request_id or run is None:
             log.error("pool %s: dropped a message that is not a Twinkle op: %.200r", self.queue, item)
             self.ledger.run(messages.drop_handed(self.queue, item))
             return -1
@@ -157,7 +155,8 @@ class OpConsumer:
         with self._lock:  # held before it is recorded: the orphan sweep never sees it recorded and not held
             self._held[tag] = Held(request_id, model_id, message, run)
         try:
-            waiting, inputs = self._record(recorded, lifecycle.read_for_run(self.keys, request_id, model_id))
+            read = self.prereads.read(request_id, model_id)
+            waiting, inputs = retrying_record(lambda: self.ledger.run_then(recorded, read))
         except BaseException:
             with self._lock:
                 del self._held[tag]
@@ -167,16 +166,6 @@ class OpConsumer:
         if self.turns is not None:
             self.turns.offer(Turn(partial(self._run_held, tag), request_id, model_id))
         return waiting
-
-    def _record(self, recorded: Any, read: Any) -> tuple[int, Any]:
-        for pause in (*RECORD_PAUSES, None):
-            try:
-                return self.ledger.run_then(recorded, read)
-            except (redis.ConnectionError, redis.TimeoutError):
-                if pause is None:
-                    raise  # it waits in the handover list, or recorded, for the orphan sweep
-                time.sleep(pause)
-        raise AssertionError("unreachable")
 
     # -- running --------------------------------------------------------------------------------------------
 
@@ -235,22 +224,3 @@ class OpConsumer:
         if held:
             log.info("pool %s: put %d held message(s) back", self.queue, len(held))
 
-
-def _parsed(item: bytes) -> tuple[dict[str, Any] | None, str, str, str]:
-    """A queue item as kombu's Redis transport holds it, and its task's name and the request and model ids of its
-    op (protocol 2, base64 body `[args, kwargs, embed]`, twinkle.task_message); empty ids for anything else."""
-    try:
-        message = json.loads(item)
-        headers = message["headers"]
-        if headers.get("eta") or headers.get("expires"):
-            return message, "", "", ""
-        body = message["body"]
-        if message.get("properties", {}).get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        args, kwargs, _ = json.loads(body)
-        request_id, model_id = kwargs["request_id"], kwargs.get("model_id") or ""
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return None, "", "", ""
-    if args or not isinstance(request_id, str) or not isinstance(model_id, str):
-        return message, "", "", ""
-    return message, str(headers.get("task", "")), request_id, model_id

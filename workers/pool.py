@@ -334,16 +334,15 @@ def _op_consumer(url: str, app: Application, runtime: PoolRuntime, keys: Keys, l
     assert lean is not None and isinstance(app, ModelApp), "a model pool's, with the lean tasks' runners"
     prereads = runtime.prereads = Prereads(keys)
     client = redis.Redis.from_url(url, socket_timeout=POP_SECONDS + 5, socket_connect_timeout=1)
-    return OpConsumer(client, keys, runtime.queue, lean.runners, acked_by_finish=handover.ACKED_BY_FINISH,
+    return OpConsumer(client, runtime.queue, lean.runners, acked_by_finish=handover.ACKED_BY_FINISH,
                       prereads=prereads, turns=FairTurns(prereads) if fair else None,
                       window=app.args.scheduling.window if fair else 1)
 
 
-def _read_with_delivery(runtime: PoolRuntime, keys: Keys) -> Prereads:
+def _read_with_delivery(runtime: PoolRuntime, keys: Keys) -> None:
     """The pool holds its delivered messages to choose among them, so each one's read goes with its delivery record
-    (workers/prereads.py); the reads, kept for the ops."""
+    (workers/prereads.py)."""
     runtime.prereads = handover.PREREADS = Prereads(keys)
-    return runtime.prereads
 
 
 def _exit_start_failed(queue: str, error: Exception) -> NoReturn:

@@ -1,15 +1,15 @@
 """What a pool reads for an op, read in the round trip that records the op's message as delivered.
 
 Before it runs an op a pool reads the future record, its payload and the model the message names
-(`twinkle.ledger.lifecycle.read_for_run`). The consumer thread already sends one command to Redis per message (it
-records the delivery, workers/handover.py), so it sends the read in the same pipeline and keeps the answer here for
-the op's thread, which takes it instead of a round trip of its own.
+(`twinkle.ledger.lifecycle.read_for_run`). The consumer already sends one command to Redis per message (it records
+the delivery, workers/op_consumer.py or workers/handover.py), so it sends the read in the same pipeline and keeps
+the answer here for the op, which takes it instead of a round trip of its own.
 
-Only pools that hold their delivered messages to choose among them use this: a model pool with fair share
-(workers/fair_turns.py, which takes each op's tenant and cost from the read) or clock cycles, and a sampler pool.
-There an op's thread read at delivery anyway before it waited for its turn, and its turn re-checks what may have
-changed since (`begin` refuses a future that ended meanwhile). A `fifo` pool, which runs one op at a time with
-the next message reserved, reads when the op runs.
+Every model pool on its own consumer uses this (fair share takes each op's tenant and cost from the read,
+workers/fair_turns.py), and under Celery's consumer a model pool with clock cycles and a sampler pool. An op held
+to wait for its turn re-checks at its turn what may have changed since (`begin` refuses a future that ended
+meanwhile). A model pool on Celery's consumer without clock cycles (a watched one), which runs one op at a time
+with the next message reserved, reads when the op runs.
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ class Prereads:
         if ids is None:
             return None
         request_id, model_id = ids
-        return request_id, model_id, lifecycle.read_for_run(self.keys, request_id, model_id)
+        return request_id, model_id, self.read(request_id, model_id)
+
+    def read(self, request_id: str, model_id: str) -> Call[RunInputs]:
+        """The read an op needs before it runs (`lifecycle.read_for_run`), to send with its delivery record."""
+        return lifecycle.read_for_run(self.keys, request_id, model_id)
 
     def keep(self, request_id: str, model_id: str, inputs: RunInputs) -> None:
         with self._lock:

@@ -57,7 +57,7 @@ def push(r: redis.Redis, *request_ids: str, op: Op = Op.FORWARD_BACKWARD) -> Non
 def consuming(url: str, ops: Ops, *, fair: bool = False, window: int = 1) -> Iterator[OpConsumer]:
     prereads = Prereads(Keys(""))
     runners: dict[str, Callable[[str, str, str], None]] = {task_name(op): ops.run for op in Op}
-    consumer = OpConsumer(redis.Redis.from_url(url, socket_timeout=6, socket_connect_timeout=1), Keys(""), QUEUE,
+    consumer = OpConsumer(redis.Redis.from_url(url, socket_timeout=6, socket_connect_timeout=1), QUEUE,
                           runners, acked_by_finish=set(), prereads=prereads,
                           turns=FairTurns(prereads) if fair else None, window=window)
     ops.consumer = consumer
