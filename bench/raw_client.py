@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -52,6 +54,22 @@ def one_pool_config(workdir: Path, model_dir: Path, port: int) -> dict[str, Any]
     }
 
 
+_LAUNCHED: set[BenchServer] = set()  # servers a benchmark started and has not stopped yet
+
+
+def _stop_launched() -> None:
+    for server in list(_LAUNCHED):
+        server.stop()
+
+
+def _stop_launched_on_termination() -> None:
+    """A benchmark ended by SIGTERM (`timeout`, a CI cancel) still stops the servers it launched: each is a session of
+    its own, which the signal never reaches, and one left running spends the cores the next run measures on."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))  # the finally blocks run
+        atexit.register(_stop_launched)
+
+
 class BenchServer:
     """`twinkle-server launch` of `config` (written to `workdir`/`name`.yaml, its output in `workdir`/server.log),
     with `env` on top of this process's environment and TWINKLE_LOG_LEVEL WARNING unless `env` sets it."""
@@ -66,9 +84,11 @@ class BenchServer:
     def start(self) -> float:
         """Launch and wait until the server says it is ready; the seconds from launch to ready."""
         started = time.perf_counter()
+        _stop_launched_on_termination()
         self.proc = subprocess.Popen([sys.executable, "-m", "twinkle.server", "launch", "-c", str(self.cfg_path)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, **self.env),
                                      start_new_session=True)
+        _LAUNCHED.add(self)
         while True:
             self.log.seek(0)
             if "[twinkle] ready" in self.log.read():
@@ -85,7 +105,9 @@ class BenchServer:
         return api_process(self.proc.pid)
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        _LAUNCHED.discard(self)
+        with contextlib.suppress(ProcessLookupError):  # the launch had exited
+            os.killpg(self.proc.pid, signal.SIGTERM)
         self.proc.wait(timeout=60)
 
     @property

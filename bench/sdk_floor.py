@@ -34,7 +34,8 @@ theirs, and the rest is what the server may spend.
 
 `--trace N` follows N more Twinkle steps and N samples op by op: the SDK's submit and result times next to the future
 record's own (accepted by the API, begun and finished by the pool worker), read from the launch's embedded
-broker, and prints the median of each stage.
+broker, and prints the median of each stage. Then N more steps of each server, taking turns every 10 steps: when
+the SDK sent each of a step's four requests and when their answers arrived, the servers side by side.
 
 `--burdened SCALES` asks how much of Twinkle's distance from the floor is its CPU and how much its hops (the
 queue, the worker's delivery, the hand-backs): after the rounds, for each scale a stand-in is started that spends
@@ -714,6 +715,58 @@ def trace(target: Target, server: TwinkleServer, n: int) -> None:
         print(f"  {name:<45} {statistics.median(ms):7.2f} ms")
 
 
+def sdk_requests() -> list[tuple[str, float, float]]:
+    """From now on, every HTTP request the SDK sends: (its path's last segment, sent, answered) in perf_counter
+    seconds (a wrapper around httpx's AsyncClient.send, which both servers pay alike: this benchmark's trace only)."""
+    exchanges: list[tuple[str, float, float]] = []
+    send = httpx.AsyncClient.send
+
+    async def timed(self: httpx.AsyncClient, request: httpx.Request, *args: Any, **kwargs: Any) -> httpx.Response:
+        sent = time.perf_counter()
+        response = await send(self, request, *args, **kwargs)
+        exchanges.append((request.url.path.rsplit("/", 1)[-1], sent, time.perf_counter()))
+        return response
+
+    httpx.AsyncClient.send = timed  # type: ignore[method-assign]
+    return exchanges
+
+
+STEP_REQUESTS = {"forward_backward": "fb submit", "optim_step": "optim submit"}
+POLLS = ("fb poll", "optim poll")  # a step's retrieve_future requests in the order sent: the fb's future is first
+
+
+def request_trace(targets: dict[str, Target], n: int, block: int = 10) -> None:
+    """The four requests of a step as the SDK sends them, each server's next to the other's: when each was sent and
+    answered, from the step's start. The servers take turns every `block` steps, so the host's drift falls on both."""
+    exchanges = sdk_requests()
+    seen: dict[str, dict[str, list[float]]] = {name: {} for name in targets}
+    for start in range(0, n, block):
+        for name, target in targets.items():
+            for _ in range(min(block, n - start)):
+                exchanges.clear()
+                began = time.perf_counter()
+                target.step(target.trainer)
+                took = time.perf_counter() - began
+                stages = seen[name]
+                stages.setdefault("step", []).append(took * 1000)
+                polls = iter(POLLS)
+                for route, sent, answered in sorted(exchanges, key=lambda exchange: exchange[1]):
+                    label = STEP_REQUESTS.get(route) or (next(polls, "later poll") if route == "retrieve_future"
+                                                         else None)
+                    if label is None:  # the SDK's heartbeat or telemetry, now and then
+                        continue
+                    for what, ms in (("sent", sent - began), ("answered", answered - began),
+                                     ("took", answered - sent)):
+                        stages.setdefault(f"{label} {what}", []).append(ms * 1000)
+    names = list(targets)
+    print(f"\nThe SDK's requests of a step, from the step's start (median of {n} steps each, the servers taking turns "
+          f"every {block}):")
+    print("  " + " " * 28 + "".join(f"{name:>10}" for name in names))
+    for stage in seen[names[-1]]:
+        print(f"  {stage:<28}" + "".join(f"{statistics.median(seen[name].get(stage, [float('nan')])):10.2f}"
+                                         for name in names))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2, help="floor, Twinkle alternations")
@@ -789,6 +842,7 @@ def main() -> None:
                           flush=True)
             if ns.trace and "twinkle" in targets:
                 trace(targets["twinkle"][0], twinkle, ns.trace)
+                request_trace({name: target for name, (target, _, _) in targets.items()}, ns.trace)
         finally:
             twinkle.stop()
             stand_in.stop()
